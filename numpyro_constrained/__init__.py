@@ -1,0 +1,10 @@
+"""Exactly-constrained distributions for NumPyro.
+
+Importing this package registers the KL rules and the support constraints' bijections
+with NumPyro; nothing is patched into ``numpyro.distributions``.
+"""
+
+from numpyro_constrained import losses
+
+__all__ = ["losses"]
+__version__ = "0.1.0"

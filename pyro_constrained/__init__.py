@@ -1,0 +1,10 @@
+"""Exactly-constrained distributions for Pyro.
+
+Importing this package registers the KL rules and the support constraints' bijections
+with ``torch.distributions`` / Pyro; nothing is patched into ``pyro.distributions``.
+"""
+
+from pyro_constrained import losses
+
+__all__ = ["losses"]
+__version__ = "0.1.0"
