@@ -8,8 +8,12 @@ tests comes from explicit ``np.random.default_rng(seed)`` generators.
 import jax
 import pyro
 import pytest
+import torch
 
 jax.config.update("jax_enable_x64", True)
+# The suite runs on a 2-core machine: torch's intra-op thread pool contends with JAX's and
+# with pytest-xdist workers and slows tiny kernels by orders of magnitude.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
