@@ -5,6 +5,7 @@ with NumPyro; nothing is patched into ``numpyro.distributions``.
 """
 
 from numpyro_constrained import losses
+from numpyro_constrained.linear_constrained_normal import LinearConstrainedNormal
 
-__all__ = ["losses"]
+__all__ = ["LinearConstrainedNormal", "losses"]
 __version__ = "0.1.0"
