@@ -275,11 +275,23 @@ def _matheron_kernel(
     factor: jax.Array,
     A: jax.Array,
     k: jax.Array,
+    chol_s: jax.Array,
     gain_t: jax.Array,
     diagonal: bool,
 ) -> jax.Array:
     """Matheron's rule: ``x = loc + L noise``, ``z = x + K (k - A x)``."""
-    x = loc + (factor * noise if diagonal else _rows_times(factor, noise))
+    if diagonal:
+        x = loc + factor * noise
+        residual = k - _rows_times(A, x)
+        # K r = Sigma A^T (S^{-1} r): an a x a solve per event and a product with A, which
+        # reads far less memory than the batched (..., a, n) gain K^T when A is shared.
+        batch = jnp.broadcast_shapes(residual.shape[:-1], chol_s.shape[:-2])
+        coefficients = jax.scipy.linalg.cho_solve(
+            (jnp.broadcast_to(chol_s, batch + chol_s.shape[-2:]), True),
+            jnp.broadcast_to(residual, batch + residual.shape[-1:])[..., None],
+        )[..., 0]
+        return x + jnp.square(factor) * _combine_rows(coefficients, A)
+    x = loc + _rows_times(factor, noise)
     return x + _combine_rows(k - _rows_times(A, x), gain_t)
 
 
@@ -567,7 +579,14 @@ class LinearConstrainedNormal(Distribution):
     def _matheron_from_noise(self, noise: jax.Array) -> jax.Array:
         """Matheron's rule applied to standard normal ``noise`` of shape (..., n)."""
         return _matheron_kernel(
-            noise, self.loc, self._factor(), self.A, self.k, self._gain_t, diagonal=self._diagonal
+            noise,
+            self.loc,
+            self._factor(),
+            self.A,
+            self.k,
+            self._chol_s,
+            self._gain_t,
+            diagonal=self._diagonal,
         )
 
     def sample(self, key: jax.Array, sample_shape: tuple[int, ...] = ()) -> jax.Array:
