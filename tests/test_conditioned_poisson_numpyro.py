@@ -386,3 +386,17 @@ def test_svi_recovers_mixture_proportions_from_bags_of_known_totals():
     maximum_likelihood_from_true_counts = counts.sum(0) / totals.sum()
     np.testing.assert_allclose(learned, maximum_likelihood_from_true_counts, atol=0.03)
     np.testing.assert_allclose(learned, true_proportions, atol=0.06)
+
+
+def test_a_single_category_is_deterministic_with_finite_gradients():
+    # p == 1 makes log(1 - p) = -inf; the kernels must give exact values and no NaN.
+    def total(rate):
+        d = ConditionedPoisson(rate, k=np.array([0, 6]))
+        return d.entropy(), d.log_prob(jnp.array([[0.0], [6.0]]))
+
+    rate = jnp.array([[2.0], [0.5]])
+    entropy, log_prob = total(rate)
+    np.testing.assert_array_equal(entropy, 0.0)
+    np.testing.assert_array_equal(log_prob, 0.0)
+    grad = jax.jit(jax.grad(lambda r: sum(jnp.sum(x) for x in total(r))))(rate)
+    assert bool(jnp.isfinite(grad).all())
