@@ -74,17 +74,24 @@ def test_log_constraint_prob_matches_poisson_binomial(logits, ks):
 
 
 def test_kl_matches_enumeration():
+    # One batch (one compilation): three random pairs, and a pair with infinite logits whose
+    # KL is finite one way and infinite the other.
     rng = np.random.default_rng(2)
-    for n, k in [(5, 2), (6, 3), (4, 4)]:
-        p_logits, q_logits = rng.normal(size=n) * 2, rng.normal(size=n) * 2
-        p = ExactlyKBernoulli(logits=jnp.asarray(p_logits), k=k)
-        q = ExactlyKBernoulli(logits=jnp.asarray(q_logits), k=k)
-        assert abs(float(kl_divergence(p, q)) - oracle.exactly_k_kl(p_logits, q_logits, k)) < 1e-10
-    a = np.array([INF, 0.3, -INF, 1.0, -0.5])
-    b = np.array([INF, 0.1, 0.0, -1.0, 2.0])
-    pa, pb = (ExactlyKBernoulli(logits=jnp.asarray(x), k=2) for x in (a, b))
-    assert abs(float(kl_divergence(pa, pb)) - oracle.exactly_k_kl(a, b, 2)) < 1e-10
-    assert float(kl_divergence(pb, pa)) == INF == oracle.exactly_k_kl(b, a, 2)
+    p_logits = rng.normal(size=(4, 5)) * 2
+    q_logits = rng.normal(size=(4, 5)) * 2
+    p_logits[3] = [INF, 0.3, -INF, 1.0, -0.5]
+    q_logits[3] = [INF, 0.1, 0.0, -1.0, 2.0]
+    ks = np.array([2, 3, 5, 2])
+    p = ExactlyKBernoulli(logits=jnp.asarray(p_logits), k=jnp.asarray(ks))
+    q = ExactlyKBernoulli(logits=jnp.asarray(q_logits), k=jnp.asarray(ks))
+    forward, backward = np.asarray(kl_divergence(p, q)), np.asarray(kl_divergence(q, p))
+    for row in range(4):
+        want = oracle.exactly_k_kl(p_logits[row], q_logits[row], ks[row])
+        assert abs(forward[row] - want) < 1e-10
+    for row in range(3):
+        want = oracle.exactly_k_kl(q_logits[row], p_logits[row], ks[row])
+        assert abs(backward[row] - want) < 1e-10
+    assert backward[3] == INF == oracle.exactly_k_kl(q_logits[3], p_logits[3], 2)
 
 
 def test_kl_rejects_different_k_or_n():
@@ -219,23 +226,6 @@ def test_mode_is_the_most_likely_subset_with_deterministic_ties():
     assert tied.tolist() == [1.0, 1.0, 0.0, 0.0, 0.0]
 
 
-def test_k_zero_and_k_n_are_deterministic():
-    logits = jnp.array([0.5, -1.0, 2.0, 0.0, -0.3, 40.0], dtype=jnp.float32)
-    ks = jnp.array([0, 6])
-    d = ExactlyKBernoulli(logits=logits, k=ks)
-    only = jnp.array([[0.0] * 6, [1.0] * 6], dtype=jnp.float32)
-    assert bool(jnp.all(d.sample(_key(), (3,)) == only)) and bool(jnp.all(d.mean == only))
-    assert float(jnp.abs(d.entropy()).max()) < 1e-5
-    assert float(jnp.abs(d.log_prob(only)).max()) < 1e-5
-    grad = jax.grad(
-        lambda x: (
-            ExactlyKBernoulli(logits=x, k=ks).sample(_key(), (3,)).sum()
-            + ExactlyKBernoulli(logits=x, k=ks).entropy().sum()
-        )
-    )(logits)
-    assert bool(jnp.all(jnp.isfinite(grad)))
-
-
 def test_probs_zero_and_one_work_like_infinite_logits():
     probs = jnp.array([1.0, 0.0, 0.4, 0.7, 0.2])
     logits = jnp.array([INF, -INF, math.log(0.4 / 0.6), math.log(0.7 / 0.3), math.log(0.25)])
@@ -256,16 +246,15 @@ def test_shapes_batch_expand_sample_shape_and_infer_shapes():
     k = jnp.array([1, 2, 3, 4])
     d = ExactlyKBernoulli(logits=logits, k=k)
     assert d.batch_shape == (3, 4) and d.event_shape == (6,)
-    assert d.sample(_key()).shape == (3, 4, 6)
     z = d.sample(_key(), (2, 5))
     assert z.shape == (2, 5, 3, 4, 6) and bool(jnp.all(z.sum(-1) == k))
     assert d.log_prob(z).shape == (2, 5, 3, 4)
     assert d.mean.shape == (3, 4, 6) and d.entropy().shape == (3, 4)
     assert d.log_constraint_prob().shape == (3, 4) and d.mode.shape == (3, 4, 6)
-    e = ExactlyKBernoulli(logits=jax.random.normal(_key(1), (6,)), k=2).expand((5, 2))
-    assert type(e) is ExactlyKBernoulli and e.batch_shape == (5, 2)
-    assert e.sample(_key(), (2,)).shape == (2, 5, 2, 6) and e.entropy().shape == (5, 2)
-    np.testing.assert_allclose(e.entropy(), jnp.broadcast_to(e.entropy()[0, 0], (5, 2)))
+    e = ExactlyKBernoulli(logits=jax.random.normal(_key(1), (6,)), k=2).expand((3, 4))
+    assert type(e) is ExactlyKBernoulli and e.batch_shape == (3, 4)
+    assert e.sample(_key(), (2, 5)).shape == (2, 5, 3, 4, 6) and e.entropy().shape == (3, 4)
+    np.testing.assert_allclose(e.entropy(), jnp.broadcast_to(e.entropy()[0, 0], (3, 4)))
     assert ExactlyKBernoulli.infer_shapes(logits=(3, 1, 6), k=(4,)) == ((3, 4), (6,))
     assert ExactlyKBernoulli.infer_shapes(probs=(6,)) == ((), (6,))
 
@@ -350,6 +339,18 @@ def test_float32_large_n_is_finite_and_close_to_float64():
     assert float(jnp.abs(mu32.astype(jnp.float64) - d64.mean).max()) < 1e-4
     z = d32.sample(_key())
     assert z.dtype == jnp.float32 and bool(jnp.all(z.sum(-1) == ks))
+    # k = 0 and k = n (rows 0 and -1) are deterministic: exact values, zero entropy.
+    assert bool(jnp.all(z[0] == 0) & jnp.all(z[-1] == 1))
+    assert bool(jnp.all(mu32[0] == 0) & jnp.all(mu32[-1] == 1))
+    assert float(jnp.abs(d32.entropy()[np.array([0, -1])]).max()) < 1e-3
+    # Gradients through the straight-through sample and the entropy stay finite in float32.
+    grad = jax.grad(
+        lambda x: (
+            ExactlyKBernoulli(logits=x, k=ks).sample(_key()).sum()
+            + ExactlyKBernoulli(logits=x, k=ks).entropy().sum()
+        )
+    )(logits.astype(jnp.float32))
+    assert grad.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(grad)))
 
 
 def _svi_recovers_the_subset(elbo) -> None:
