@@ -7,9 +7,11 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpyro
 import pytest
+from numpyro import handlers
 from numpyro.distributions import ZeroSumNormal, kl_divergence
-from numpyro.distributions.batch_util import vmap_over
+from numpyro.distributions.batch_util import promote_batch_shape, vmap_over
 from numpyro.distributions.transforms import biject_to
 
 from numpyro_constrained import LinearConstrainedNormal
@@ -170,6 +172,22 @@ def test_jit_vmap_and_vmap_over():
             )
             np.testing.assert_allclose(batched.mean[b], one.mean)
             np.testing.assert_allclose(batched.log_prob(value[0])[b], one.log_prob(value[0]))
+
+
+def test_a_site_inside_a_plate_is_expanded():
+    dist, params, cov, A, k = build("diag")
+
+    def model():
+        with numpyro.plate("bags", 3):
+            return numpyro.sample("z", dist)
+
+    trace = handlers.trace(handlers.seed(model, 0)).get_trace()
+    site = trace["z"]
+    assert site["value"].shape == (3, 5)
+    log_prob = site["fn"].log_prob(site["value"])
+    np.testing.assert_allclose(log_prob, oracle.logpdf(site["value"], params["loc"], cov, A, k))
+    promoted = promote_batch_shape(site["fn"])
+    assert promoted.batch_shape == (3,) and "scale_tril" not in promoted.__dict__
 
 
 # --- gradients ---------------------------------------------------------------------------
