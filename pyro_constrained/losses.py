@@ -17,6 +17,7 @@ import torch
 
 from pyro_constrained.conditioned_poisson import ConditionedPoisson, _log_p_and_log1m_p
 from pyro_constrained.exactly_k_bernoulli import ExactlyKBernoulli
+from pyro_constrained.linear_constrained_normal import LinearConstrainedNormal
 
 
 @singledispatch
@@ -54,8 +55,6 @@ def _expected_l2_loss_exactly_k(dist: ExactlyKBernoulli, target: torch.Tensor) -
 # E|z_i - y_i| = s_i sqrt(2/pi) exp(-m_i^2 / (2 s_i^2)) + m_i erf(m_i / (sqrt(2) s_i)), the
 # folded-normal mean (the published formula has the variance where s_i belongs; see the
 # errata), and E(z_i - y_i)^2 = m_i^2 + s_i^2.
-
-from pyro_constrained.linear_constrained_normal import LinearConstrainedNormal  # noqa: E402
 
 
 @expected_l2_loss.register(LinearConstrainedNormal)
