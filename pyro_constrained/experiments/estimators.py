@@ -5,7 +5,9 @@
 - ``DIR/estimators.csv``: ``distribution, loss, n, estimator, bias, variance, error``, each
   metric the mean over the repeats (independent random problems);
 - ``DIR/estimators_repeats.csv``: one row per repeat, with ``bias_floor``, the bias an
-  unbiased estimator shows from Monte-Carlo noise alone (``metrics.unbiased_bias_floor``);
+  unbiased estimator shows from Monte-Carlo noise alone (``metrics.unbiased_bias_floor``),
+  and for the Gaussian the three metrics of the ``loc`` part of the gradient alone
+  (``bias_loc``, ``variance_loc``, ``error_loc``; empty for the other families);
 - ``DIR/estimators.png``: one panel per distribution and loss (at the largest n), and
   ``DIR/estimators_vs_n.png``: bias and error against n.
 
@@ -85,9 +87,21 @@ def problem_makers(
             )
 
 
+LOC_COLUMNS = ("bias_loc", "variance_loc", "error_loc")
+
+
+def _loc_metrics(problem, estimates, true_gradient) -> dict:
+    """Metrics of the Gaussian's ``loc`` gradient alone (the first n coordinates)."""
+    if problem.family != "gaussian":
+        return dict.fromkeys(LOC_COLUMNS, "")
+    loc_metrics = metrics.gradient_metrics(estimates[:, : problem.n], true_gradient[: problem.n])
+    return {f"{name}_loc": value for name, value in loc_metrics.items()}
+
+
 def run_study(config: StudyConfig, log: Callable[[str], None] = print) -> list[dict]:
     """Per-repeat metrics: a list of dicts with the CSV columns plus ``repeat`` and
-    ``bias_floor``. Deterministic given ``config.seed``."""
+    ``bias_floor`` (and the ``*_loc`` metrics for the Gaussian). Deterministic given
+    ``config.seed``."""
     rows = []
     for cell, (distribution, loss, n, make_problem) in enumerate(problem_makers(config)):
         started = time.perf_counter()
@@ -112,6 +126,7 @@ def run_study(config: StudyConfig, log: Callable[[str], None] = print) -> list[d
                         "repeat": repeat,
                         **metrics.gradient_metrics(estimates, true_gradient),
                         "bias_floor": metrics.unbiased_bias_floor(estimates, true_gradient),
+                        **_loc_metrics(problem, estimates, true_gradient),
                     }
                 )
         log(f"{distribution:>20} {loss} n={n:<3} {time.perf_counter() - started:6.1f} s")
@@ -238,7 +253,7 @@ def write_outputs(rows: list[dict], out: Path) -> None:
     write_csv(
         out / "estimators_repeats.csv",
         rows,
-        (*COLUMNS[:4], "repeat", *COLUMNS[4:], "bias_floor"),
+        (*COLUMNS[:4], "repeat", *COLUMNS[4:], "bias_floor", *LOC_COLUMNS),
     )
     plot(summary, out / "estimators.png")
     plot_against_n(summary, out / "estimators_vs_n.png")
