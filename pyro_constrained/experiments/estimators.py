@@ -8,6 +8,7 @@
   unbiased estimator shows from Monte-Carlo noise alone (``metrics.unbiased_bias_floor``),
   and for the Gaussian the three metrics of the ``loc`` part of the gradient alone
   (``bias_loc``, ``variance_loc``, ``error_loc``; empty for the other families);
+- ``DIR/estimators.md``: the same as tables, with the noise floor and loc-only metrics;
 - ``DIR/estimators.png``: one panel per distribution and loss (at the largest n), and
   ``DIR/estimators_vs_n.png``: bias and error against n.
 
@@ -245,6 +246,33 @@ def plot_against_n(summary: list[dict], path: Path) -> None:
     plt.close(figure)
 
 
+def markdown_tables(rows: list[dict]) -> str:
+    """One table per (distribution, loss, n): means over repeats, with the noise floor of
+    the bias and, for the Gaussian, the metrics of the loc gradient alone."""
+    groups: dict[tuple, dict[str, list[dict]]] = {}
+    for row in rows:
+        cell = groups.setdefault((row["distribution"], row["loss"], row["n"]), {})
+        cell.setdefault(row["estimator"], []).append(row)
+    lines = []
+    for (distribution, loss, n), by_estimator in groups.items():
+        gaussian = distribution.startswith("gaussian")
+        names = ["bias", "bias_floor", "variance", "error"] + (
+            list(LOC_COLUMNS) if gaussian else []
+        )
+        repeats = len(next(iter(by_estimator.values())))
+        lines += [
+            f"### {distribution}, {loss.upper()} loss, n = {n} ({repeats} repeats)",
+            "",
+            "| estimator | " + " | ".join(names) + " |",
+            "| --- |" + " ---: |" * len(names),
+        ]
+        for estimator, group in by_estimator.items():
+            means = [sum(r[name] for r in group) / len(group) for name in names]
+            lines.append(f"| {estimator} | " + " | ".join(f"{m:.3g}" for m in means) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def write_outputs(rows: list[dict], out: Path) -> None:
     """``estimators.csv`` (means over repeats), ``estimators_repeats.csv``, the figures."""
     out.mkdir(parents=True, exist_ok=True)
@@ -255,6 +283,7 @@ def write_outputs(rows: list[dict], out: Path) -> None:
         rows,
         (*COLUMNS[:4], "repeat", *COLUMNS[4:], "bias_floor", *LOC_COLUMNS),
     )
+    (out / "estimators.md").write_text(markdown_tables(rows))
     plot(summary, out / "estimators.png")
     plot_against_n(summary, out / "estimators_vs_n.png")
 
