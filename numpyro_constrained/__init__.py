@@ -5,6 +5,7 @@ with NumPyro; nothing is patched into ``numpyro.distributions``.
 """
 
 from numpyro_constrained import losses
+from numpyro_constrained.exactly_k_bernoulli import ExactlyKBernoulli
 
-__all__ = ["losses"]
+__all__ = ["ExactlyKBernoulli", "losses"]
 __version__ = "0.1.0"

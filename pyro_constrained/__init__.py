@@ -5,6 +5,7 @@ with ``torch.distributions`` / Pyro; nothing is patched into ``pyro.distribution
 """
 
 from pyro_constrained import losses
+from pyro_constrained.exactly_k_bernoulli import ExactlyKBernoulli
 
-__all__ = ["losses"]
+__all__ = ["ExactlyKBernoulli", "losses"]
 __version__ = "0.1.0"

@@ -14,6 +14,8 @@ from functools import singledispatch
 
 import torch
 
+from pyro_constrained.exactly_k_bernoulli import ExactlyKBernoulli
+
 
 @singledispatch
 def expected_l1_loss(dist, target: torch.Tensor) -> torch.Tensor:
@@ -25,3 +27,20 @@ def expected_l1_loss(dist, target: torch.Tensor) -> torch.Tensor:
 def expected_l2_loss(dist, target: torch.Tensor) -> torch.Tensor:
     """Expected squared L2 distance E ||z - target||_2^2 of z ~ dist from target."""
     raise NotImplementedError(f"no closed-form expected L2 loss for {type(dist).__name__}")
+
+
+# ExactlyKBernoulli, with mu the conditional marginals (MATH.md section 5):
+# E||z - y||^2 = sum_i mu_i (1 - 2 y_i) + y_i^2,
+# E||z - y||_1 = sum_i mu_i |1 - y_i| + (1 - mu_i) |y_i|.
+
+
+@expected_l1_loss.register
+def _expected_l1_loss_exactly_k(dist: ExactlyKBernoulli, target: torch.Tensor) -> torch.Tensor:
+    mu = dist.mean
+    return (mu * (1 - target).abs() + (1 - mu) * target.abs()).sum(-1)
+
+
+@expected_l2_loss.register
+def _expected_l2_loss_exactly_k(dist: ExactlyKBernoulli, target: torch.Tensor) -> torch.Tensor:
+    mu = dist.mean
+    return (mu * (1 - 2 * target) + target**2).sum(-1)

@@ -1,0 +1,309 @@
+"""ExactlyKBernoulli: independent Bernoullis conditioned on exactly k ones (MATH.md section 1).
+
+The numerical work (log normaliser, marginals, exact sampling) lives in
+:mod:`pyro_constrained.exactly_k_kernels`; this module handles parameters, infinite logits,
+validation, shapes and the framework's protocols.
+"""
+
+from numbers import Integral
+
+import torch
+from pyro.distributions import Bernoulli, TorchDistribution
+from torch.distributions import constraints
+from torch.distributions.kl import register_kl
+from torch.distributions.utils import lazy_property
+
+from pyro_constrained import exactly_k_kernels as kernels
+
+__all__ = ["ExactlyKBernoulli", "KHot"]
+
+
+def _softplus(x: torch.Tensor) -> torch.Tensor:
+    # F.softplus is the identity above a threshold (20 by default): off by up to 2e-9, not
+    # float64-exact. relu(x) + log1p(exp(-|x|)) is exact but its autograd derivative is
+    # wrong at x = 0 (the kinks of relu and |x| do not cancel there). logaddexp is exact,
+    # and its derivatives are right for the finite inputs it gets here.
+    return torch.logaddexp(x, torch.zeros_like(x))
+
+
+class _ExtendedReal(constraints.Constraint):
+    """The extended real line [-inf, +inf]: anything but NaN (infinite logits force a
+    variable off or on)."""
+
+    def check(self, value: torch.Tensor) -> torch.Tensor:
+        return value == value
+
+
+class KHot(constraints.Constraint):
+    """0/1 vectors (last dimension) with exactly ``k`` ones; ``k`` broadcasts with the batch."""
+
+    is_discrete = True
+    event_dim = 1
+
+    def __init__(self, k: torch.Tensor):
+        self.k = k
+        super().__init__()
+
+    def check(self, value: torch.Tensor) -> torch.Tensor:
+        binary = ((value == 0) | (value == 1)).all(-1)
+        return binary & (value.sum(-1) == self.k.to(value.dtype))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(k={self.k})"
+
+
+def _as_k(k, logits: torch.Tensor) -> torch.Tensor:
+    if isinstance(k, bool) or not (
+        isinstance(k, Integral)
+        or (isinstance(k, torch.Tensor) and not k.is_floating_point() and not k.is_complex())
+    ):
+        raise ValueError(f"k must be a Python int or an integer tensor, got {k!r}")
+    if isinstance(k, torch.Tensor) and k.dtype == torch.bool:
+        raise ValueError("k must be an integer tensor, got a bool tensor")
+    return torch.as_tensor(k, dtype=torch.long, device=logits.device)
+
+
+def _logits_from_probs(probs: torch.Tensor) -> torch.Tensor:
+    # Exact 0 and 1 map to -inf and +inf (torch's probs_to_logits clamps them instead).
+    return torch.log(probs) - torch.log1p(-probs)
+
+
+class ExactlyKBernoulli(TorchDistribution):
+    r"""Independent Bernoullis ``z_i ~ Bernoulli(sigmoid(logits_i))`` conditioned on
+    ``sum_i z_i = k``.
+
+    The pmf, with respect to counting measure on k-hot vectors ``z`` in ``{0, 1}^n``, is
+
+    .. math:: p(z) = \exp(\theta \cdot z) / e_k(\exp \theta),
+
+    where ``e_k`` is the k-th elementary symmetric polynomial. Adding one constant to every
+    logit leaves it unchanged. A logit of ``+inf`` (``probs = 1``) forces its variable on,
+    ``-inf`` (``probs = 0``) forces it off; the distribution must remain feasible.
+
+    :param logits: log-odds, shape ``batch + (n,)``; entries may be ``+-inf``.
+    :param probs: probabilities in [0, 1] instead of logits (exactly one of the two).
+    :param k: the number of ones, a Python int or an integer tensor broadcasting with
+        ``logits.shape[:-1]``; ``0 <= k <= n``.
+
+    ``rsample`` returns an exact k-hot sample ``z`` whose gradient is that of the conditional
+    marginals ``mu`` (the SIMPLE estimator): ``z + (mu - mu.detach())``.
+    """
+
+    # probs first: given probs, the logits derived from them are NaN where probs are invalid,
+    # and the error should name what the caller passed.
+    arg_constraints = {"probs": constraints.unit_interval, "logits": _ExtendedReal()}
+    has_rsample = True
+    has_enumerate_support = False
+
+    def __init__(
+        self,
+        logits: torch.Tensor | None = None,
+        probs: torch.Tensor | None = None,
+        *,
+        k: int | torch.Tensor,
+        validate_args: bool | None = None,
+    ):
+        if (logits is None) == (probs is None):
+            raise ValueError("ExactlyKBernoulli: give exactly one of `logits` or `probs`")
+        if probs is not None:
+            probs = torch.as_tensor(probs)
+            if not probs.is_floating_point():
+                probs = probs.to(torch.get_default_dtype())
+            if probs.dim() < 1:
+                raise ValueError("probs must have at least one dimension (the n variables)")
+            logits = _logits_from_probs(probs)
+        else:
+            logits = torch.as_tensor(logits)
+            if not logits.is_floating_point():
+                logits = logits.to(torch.get_default_dtype())
+            if logits.dim() < 1:
+                raise ValueError("logits must have at least one dimension (the n variables)")
+        k = _as_k(k, logits)
+        try:
+            batch_shape = torch.broadcast_shapes(logits.shape[:-1], k.shape)
+        except RuntimeError as error:
+            raise ValueError(
+                f"k of shape {tuple(k.shape)} does not broadcast with the batch shape "
+                f"{tuple(logits.shape[:-1])} of the logits"
+            ) from error
+        event_shape = logits.shape[-1:]
+        self.logits = logits.expand(batch_shape + event_shape)
+        if probs is not None:
+            self.probs = probs.expand(batch_shape + event_shape)
+        self.k = k.expand(batch_shape)
+        super().__init__(batch_shape, event_shape, validate_args=validate_args)
+        self._check_k()
+
+    def _check_k(self) -> None:
+        """k in 0..n and feasible with the infinite logits; sets ``_k_max``. These checks run
+        whatever validate_args says: nothing is defined without them."""
+        n = self.event_shape[0]
+        if self.k.numel() and (self.k.min() < 0 or self.k.max() > n):
+            raise ValueError(f"k must be in 0..n = 0..{n}, got {self.k.unique().tolist()}")
+        with torch.no_grad():
+            forced_on = (self.logits == torch.inf).sum(-1)
+            forced_off = (self.logits == -torch.inf).sum(-1)
+            impossible = (self.k < forced_on) | (self.k > n - forced_off)
+        if impossible.any():
+            raise ValueError(
+                "logits make the constraint impossible: some batch element has more than k "
+                "logits equal to +inf (probs = 1) or more than n - k equal to -inf (probs = 0)"
+            )
+        self._k_max = int((self.k - forced_on).max()) if self.k.numel() else 0
+
+    @constraints.dependent_property(is_discrete=True, event_dim=1)
+    def support(self) -> KHot:
+        return KHot(self.k)
+
+    @lazy_property
+    def probs(self) -> torch.Tensor:
+        return torch.sigmoid(self.logits)
+
+    @lazy_property
+    def _forced_on(self) -> torch.Tensor:
+        return self.logits == torch.inf
+
+    @lazy_property
+    def _finite(self) -> torch.Tensor:
+        return torch.isfinite(self.logits)
+
+    @lazy_property
+    def _k_free(self) -> torch.Tensor:
+        """k minus the number of variables forced on: the count among the free ones."""
+        return self.k - self._forced_on.sum(-1)
+
+    @lazy_property
+    def _kernel_logits(self) -> torch.Tensor:
+        """The logits with forced-on variables removed (set to -inf), as the kernels want."""
+        return torch.where(self._forced_on, torch.full_like(self.logits, -torch.inf), self.logits)
+
+    @lazy_property
+    def _finite_logits(self) -> torch.Tensor:
+        return torch.where(self._finite, self.logits, torch.zeros_like(self.logits))
+
+    @lazy_property
+    def _log_normalizer(self) -> torch.Tensor:
+        """log e_{k_free}(exp logits) over the finite logits."""
+        return kernels.log_normalizer(self._kernel_logits, self._k_free, self._k_max)
+
+    def _complete_marginals(self, free_marginals: torch.Tensor) -> torch.Tensor:
+        # Deterministic entries get exact 0 / 1 (and zero gradient, which is their derivative).
+        free = self._finite
+        num_free = free.sum(-1)
+        none_left = (self._k_free == 0)[..., None]
+        all_on = (self._k_free == num_free)[..., None]
+        ones = torch.ones_like(free_marginals)
+        zeros = torch.zeros_like(free_marginals)
+        mu = torch.where(all_on, ones, free_marginals)
+        mu = torch.where(none_left, zeros, mu)
+        return torch.where(free, mu, torch.where(self._forced_on, ones, zeros))
+
+    @lazy_property
+    def _marginal_probs(self) -> torch.Tensor:
+        """mu_i = P(z_i = 1 | sum z = k), differentiable in the logits."""
+        free = kernels.marginals(self._kernel_logits, self._k_free, self._k_max)
+        return self._complete_marginals(free)
+
+    @property
+    def mean(self) -> torch.Tensor:
+        return self._marginal_probs
+
+    @property
+    def variance(self) -> torch.Tensor:
+        mu = self._marginal_probs
+        return mu * (1 - mu)
+
+    @property
+    def marginals(self) -> Bernoulli:
+        """The conditional marginal of each coordinate, ``Bernoulli(mu)`` with batch shape
+        ``batch + (n,)``."""
+        return Bernoulli(probs=self._marginal_probs, validate_args=False)
+
+    @property
+    def mode(self) -> torch.Tensor:
+        """The most likely k-hot vector: ones at the k largest logits (ties go to the lower
+        index)."""
+        order = torch.sort(self.logits, dim=-1, descending=True, stable=True).indices
+        positions = torch.arange(self.event_shape[0], device=order.device).expand(order.shape)
+        ranks = torch.empty_like(order).scatter_(-1, order, positions)
+        return (ranks < self.k[..., None]).to(self.logits.dtype)
+
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        """``theta . z - log e_k(exp theta)`` for k-hot ``z`` (counting measure); ``-inf``
+        outside the support when validation is off. Differentiable in ``value`` too, so a
+        straight-through sample passes its gradient on."""
+        if self._validate_args:
+            self._validate_sample(value)
+        on = value == 1
+        possible = self.support.check(value)
+        possible = possible & ~(on & (self.logits == -torch.inf)).any(-1)
+        possible = possible & ~(~on & self._forced_on).any(-1)
+        score = (self._finite_logits * value).sum(-1) - self._log_normalizer
+        return torch.where(possible, score, torch.full_like(score, -torch.inf))
+
+    def sample(self, sample_shape: tuple[int, ...] = ()) -> torch.Tensor:
+        """Exact draws of the conditional distribution: 0.0 / 1.0 entries summing to k."""
+        with torch.no_grad():
+            z = kernels.sample(self._kernel_logits, self._k_free, self._k_max, sample_shape)
+            return torch.where(self._forced_on, torch.ones_like(z), z)
+
+    def rsample(self, sample_shape: tuple[int, ...] = ()) -> torch.Tensor:
+        """An exact sample ``z`` with the straight-through marginal gradient:
+        ``z + (mu - mu.detach())`` (its value is exactly ``z``)."""
+        z, free = kernels.sample_and_marginals(
+            self._kernel_logits, self._k_free, self._k_max, sample_shape
+        )
+        z = torch.where(self._forced_on, torch.ones_like(z), z.detach())
+        mu = self._complete_marginals(free)
+        return z + (mu - mu.detach())
+
+    def entropy(self) -> torch.Tensor:
+        """``H = log e_k(exp theta) - theta . mu`` (over the finite logits)."""
+        return self._log_normalizer - (self._finite_logits * self._marginal_probs).sum(-1)
+
+    def log_constraint_prob(self) -> torch.Tensor:
+        """``log P(sum z = k)`` under the unconstrained Bernoullis (Poisson-binomial pmf):
+        ``log e_k(exp theta) - sum_i softplus(theta_i)``, shape ``batch``."""
+        softplus = torch.where(self._finite, _softplus(self._finite_logits), 0.0)
+        return self._log_normalizer - softplus.sum(-1)
+
+    def expand(self, batch_shape, _instance=None) -> "ExactlyKBernoulli":
+        new = self._get_checked_instance(ExactlyKBernoulli, _instance)
+        batch_shape = torch.Size(batch_shape)
+        new.logits = self.logits.expand(batch_shape + self.event_shape)
+        if "probs" in self.__dict__:
+            new.probs = self.probs.expand(batch_shape + self.event_shape)
+        new.k = self.k.expand(batch_shape)
+        new._k_max = self._k_max
+        super(ExactlyKBernoulli, new).__init__(batch_shape, self.event_shape, validate_args=False)
+        new._validate_args = self._validate_args
+        return new
+
+    @classmethod
+    def infer_shapes(cls, logits=None, probs=None, k=()):
+        shape = logits if logits is not None else probs
+        batch_shape = torch.broadcast_shapes(torch.Size(shape[:-1]), torch.Size(k))
+        return batch_shape, torch.Size(shape[-1:])
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(logits: {tuple(self.logits.shape)}, k: {tuple(self.k.shape)})"
+        )
+
+
+@register_kl(ExactlyKBernoulli, ExactlyKBernoulli)
+def _kl_exactly_k_bernoulli(p: ExactlyKBernoulli, q: ExactlyKBernoulli) -> torch.Tensor:
+    """``KL(p || q) = mu_p . (theta_p - theta_q) - log e_k(p) + log e_k(q)`` over finite
+    logits; ``+inf`` where p puts mass on a vector that q forbids."""
+    if p.event_shape != q.event_shape:
+        raise ValueError(f"KL needs the same n, got {p.event_shape[0]} and {q.event_shape[0]}")
+    if not torch.equal(*torch.broadcast_tensors(p.k, q.k)):
+        raise ValueError("KL between ExactlyKBernoulli needs the same k")
+    mu = p._marginal_probs
+    cross = (mu * q._finite_logits).sum(-1)
+    own = (mu * p._finite_logits).sum(-1)
+    kl = own - cross - p._log_normalizer + q._log_normalizer
+    forbidden = q.logits == -torch.inf
+    required = q._forced_on
+    escapes = ((mu > 0) & forbidden).any(-1) | ((mu < 1) & required).any(-1)
+    return torch.where(escapes, torch.full_like(kl, torch.inf), kl)

@@ -1,0 +1,88 @@
+"""Independent references for ExactlyKBernoulli: enumeration of all k-subsets, and SciPy.
+
+NumPy / SciPy only (never the library). Logits are 1-D float64 arrays whose entries may be
+``-inf`` (forced off) or ``+inf`` (forced on); the pmf is p(z) ∝ exp(logits . z) on k-hot z,
+with forced entries handled by restricting the support instead of by infinite arithmetic.
+"""
+
+import itertools
+
+import numpy as np
+from scipy import special, stats
+
+
+def k_subsets(n: int, k: int) -> np.ndarray:
+    """All 0/1 vectors of length n with exactly k ones, shape (C(n, k), n), float64."""
+    rows = np.zeros((int(special.comb(n, k, exact=True)), n))
+    for row, ones in enumerate(itertools.combinations(range(n), k)):
+        rows[row, list(ones)] = 1.0
+    return rows
+
+
+def exactly_k_pmf(logits, k: int):
+    """(subsets, probs): the support (k-subsets allowed by infinite logits) and their pmf."""
+    logits = np.asarray(logits, dtype=np.float64)
+    n = logits.shape[-1]
+    subsets = k_subsets(n, k)
+    forced_on = logits == np.inf
+    forced_off = logits == -np.inf
+    allowed = np.all(subsets[:, forced_on] == 1, axis=1) & np.all(
+        subsets[:, forced_off] == 0, axis=1
+    )
+    subsets = subsets[allowed]
+    finite = np.isfinite(logits)
+    scores = subsets[:, finite] @ logits[finite]
+    log_norm = special.logsumexp(scores)
+    return subsets, np.exp(scores - log_norm)
+
+
+def exactly_k_log_normalizer(logits, k: int) -> float:
+    """log e_k(exp logits) by summing exp(logits . z) over all k-subsets (finite logits)."""
+    logits = np.asarray(logits, dtype=np.float64)
+    subsets = k_subsets(logits.shape[-1], k)
+    with np.errstate(invalid="ignore"):
+        scores = np.where(subsets == 1, logits, 0.0).sum(axis=1)
+    return float(special.logsumexp(scores))
+
+
+def exactly_k_marginals(logits, k: int) -> np.ndarray:
+    """P(z_i = 1 | sum z = k) by enumeration."""
+    subsets, probs = exactly_k_pmf(logits, k)
+    return probs @ subsets
+
+
+def exactly_k_entropy(logits, k: int) -> float:
+    """-sum_z p(z) log p(z) over the support, by enumeration."""
+    _, probs = exactly_k_pmf(logits, k)
+    return float(-np.sum(special.xlogy(probs, probs)))
+
+
+def exactly_k_kl(logits_p, logits_q, k: int) -> float:
+    """KL(p || q) = sum_z p(z) log(p(z) / q(z)) by enumeration (inf if supp p not in supp q)."""
+    subsets_p, probs_p = exactly_k_pmf(logits_p, k)
+    subsets_q, probs_q = exactly_k_pmf(logits_q, k)
+    q_of = {tuple(row): prob for row, prob in zip(subsets_q, probs_q, strict=True)}
+    total = 0.0
+    for row, prob in zip(subsets_p, probs_p, strict=True):
+        if prob == 0.0:
+            continue
+        q = q_of.get(tuple(row), 0.0)
+        if q == 0.0:
+            return np.inf
+        total += prob * (np.log(prob) - np.log(q))
+    return float(total)
+
+
+def exactly_k_expected_losses(logits, k: int, target) -> tuple[float, float]:
+    """(E ||z - target||_1, E ||z - target||_2^2) by enumeration."""
+    subsets, probs = exactly_k_pmf(logits, k)
+    target = np.asarray(target, dtype=np.float64)
+    l1 = np.abs(subsets - target).sum(axis=1)
+    l2 = ((subsets - target) ** 2).sum(axis=1)
+    return float(probs @ l1), float(probs @ l2)
+
+
+def log_constraint_prob(logits, k: int) -> float:
+    """log P(sum z = k) for independent z_i ~ Bernoulli(sigmoid(logits_i)), by SciPy."""
+    probs = special.expit(np.asarray(logits, dtype=np.float64))
+    return float(stats.poisson_binom(probs).logpmf(k))
