@@ -142,26 +142,28 @@ class ExactlyKBernoulli(Distribution):
 
     def _check_k(self) -> int:
         """Checks k in 0..n and feasibility where the values are concrete (whatever
-        validate_args says: nothing is defined without them); returns ``k_max``."""
+        validate_args says: nothing is defined without them); returns ``k_max``.
+
+        ``k_max`` is rounded up to a power of two (at most n): it is a static argument of
+        the jitted kernels, and every new value would cost a compilation."""
         n = self.logits.shape[-1]
         if not _is_concrete(self.k):
             return n
         k = np.asarray(self.k)
         if k.size and (k.min() < 0 or k.max() > n):
             raise ValueError(f"k must be in 0..n = 0..{n}, got {np.unique(k).tolist()}")
-        if not k.size:
-            return 0
-        if not _is_concrete(self.logits):
-            return int(k.max())
-        logits = np.asarray(self.logits)
-        forced_on = (logits == np.inf).sum(-1)
-        forced_off = (logits == -np.inf).sum(-1)
-        if np.any((k < forced_on) | (k > n - forced_off)):
-            raise ValueError(
-                "logits make the constraint impossible: some batch element has more than k "
-                "logits equal to +inf (probs = 1) or more than n - k equal to -inf (probs = 0)"
-            )
-        return int((k - forced_on).max())
+        if _is_concrete(self.logits) and k.size:
+            logits = np.asarray(self.logits)
+            forced_on = (logits == np.inf).sum(-1)
+            forced_off = (logits == -np.inf).sum(-1)
+            if np.any((k < forced_on) | (k > n - forced_off)):
+                raise ValueError(
+                    "logits make the constraint impossible: some batch element has more than "
+                    "k logits equal to +inf (probs = 1) or more than n - k equal to -inf "
+                    "(probs = 0)"
+                )
+        largest = int(k.max()) if k.size else 0
+        return min(n, 1 << largest.bit_length())
 
     @constraints.dependent_property(is_discrete=True, event_dim=1)
     def support(self) -> KHot:

@@ -164,9 +164,9 @@ def sample(
     return jnp.moveaxis(z, 0, -1)
 
 
-@partial(jax.jit, static_argnames=("k_max", "sample_shape"))
 def sample_and_marginals(
     key: jax.Array, logits: jax.Array, k: jax.Array, k_max: int, sample_shape: tuple = ()
 ) -> tuple[jax.Array, jax.Array]:
-    """(sample(...), marginals(...)) for the straight-through sample."""
+    """(sample(...), marginals(...)) for the straight-through sample. Not jitted itself, so
+    that it reuses the compilations of the two functions it calls."""
     return sample(key, logits, k, k_max, sample_shape), marginals(logits, k, k_max)
