@@ -1,0 +1,674 @@
+"""A Gaussian conditioned on linear equalities ``A z = k`` (MATH.md section 2).
+
+Holds :class:`LinearConstrainedNormal`, its support constraint (the affine subspace
+``{z : A z = k}``), the isometric bijection from ``R^(n - a)`` onto that subspace (registered
+with ``biject_to`` so that AutoGuides and NUTS can use the distribution as a latent site),
+its KL rule (registered with ``kl_divergence``) and its ``vmap_over`` rule.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from numpyro.distributions import Distribution, Normal, constraints
+from numpyro.distributions.batch_util import _default_vmap_over, vmap_over
+from numpyro.distributions.kl import kl_divergence
+from numpyro.distributions.transforms import Transform, biject_to
+from numpyro.distributions.util import lazy_property
+from numpyro.util import not_jax_tracer
+
+GRAD_ESTIMATORS = ("marginal_expectation", "pathwise")
+
+
+def _rows_times(matrix: jax.Array, vector: jax.Array) -> jax.Array:
+    """``matrix @ vector`` over the last dimensions: (..., a, n) x (..., n) -> (..., a).
+
+    Written as a row vector times the transposed matrix so that an unbatched ``matrix`` and
+    a batched ``vector`` become one matrix-matrix product.
+    """
+    return (vector[..., None, :] @ jnp.swapaxes(matrix, -1, -2))[..., 0, :]
+
+
+def _combine_rows(coefficients: jax.Array, rows: jax.Array) -> jax.Array:
+    """``coefficients^T @ rows``: (..., a) x (..., a, n) -> (..., n)."""
+    return (coefficients[..., None, :] @ rows)[..., 0, :]
+
+
+def _subspace_tolerance(dtype) -> float:
+    # A dot product of length n in floating point is off by about sqrt(n) eps relative to
+    # ||A_j|| ||z||; sqrt(eps) leaves room for sums of 10^5 terms and for the QR basis of the
+    # bijection, and still rejects any value that is visibly off the subspace.
+    return math.sqrt(float(jnp.finfo(dtype).eps))
+
+
+def _on_subspace(value: jax.Array, A: jax.Array, k: jax.Array) -> jax.Array:
+    """Whether each event of ``value`` satisfies ``A value = k`` to rounding error.
+
+    The tolerance for row j is ``sqrt(eps) (||A_j|| ||value|| + |k_j|)``, which bounds the
+    rounding error of the dot product ``A_j . value`` (Cauchy-Schwarz) without a second
+    matrix product.
+    """
+    value = jnp.asarray(value)
+    dtype = value.dtype if jnp.issubdtype(value.dtype, jnp.floating) else A.dtype
+    residual = _rows_times(A, value) - k
+    bound = jnp.linalg.norm(A, axis=-1) * jnp.linalg.norm(value, axis=-1, keepdims=True) + jnp.abs(
+        k
+    )
+    return jnp.all(jnp.abs(residual) <= _subspace_tolerance(dtype) * bound, axis=-1)
+
+
+def _min_norm_point_and_basis(A: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(z0, B)``: the point of ``{A z = k}`` nearest the origin, ``A^T (A A^T)^{-1} k``,
+    and an orthonormal basis of null(A), from the complete QR factorisation of ``A^T``."""
+    num_rows = A.shape[-2]
+    q, r = jnp.linalg.qr(jnp.swapaxes(A, -1, -2), mode="complete")
+    # A^T = Q1 R1, so z0 = A^T (A A^T)^{-1} k = Q1 R1^{-T} k.
+    r1_t = jnp.swapaxes(r[..., :num_rows, :], -1, -2)
+    batch = jnp.broadcast_shapes(r1_t.shape[:-2], k.shape[:-1])
+    coefficients = jax.scipy.linalg.solve_triangular(
+        jnp.broadcast_to(r1_t, batch + r1_t.shape[-2:]),
+        jnp.broadcast_to(k, batch + k.shape[-1:])[..., None],
+        lower=True,
+    )
+    offset = (q[..., :, :num_rows] @ coefficients)[..., 0]
+    return offset, q[..., :, num_rows:]
+
+
+class AffineSubspace(constraints.Constraint):
+    """The affine subspace ``{z in R^n : A z = k}`` with ``A`` of shape (..., a, n), rank a.
+
+    A value passes when its residual ``A z - k`` is within rounding error (relative
+    tolerance ``sqrt(eps)`` of the value's dtype, see :func:`_on_subspace`).
+    """
+
+    is_discrete = False
+    event_dim = 1
+
+    def __init__(self, A: jax.Array, k: jax.Array):
+        self.A = A
+        self.k = k
+        super().__init__()
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return _on_subspace(x, self.A, self.k)
+
+    def feasible_like(self, prototype: jax.Array) -> jax.Array:
+        offset, _ = _min_norm_point_and_basis(self.A, self.k)
+        return jnp.broadcast_to(offset, jnp.shape(prototype)).astype(jnp.result_type(prototype))
+
+    def tree_flatten(self):
+        return (self.A, self.k), (("A", "k"), dict())
+
+    def eq(self, other: object, static: bool = False):
+        if not isinstance(other, AffineSubspace):
+            return False
+        if static:
+            return self.A is other.A and self.k is other.k
+        return jnp.array_equal(self.A, other.A) & jnp.array_equal(self.k, other.k)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(a={self.A.shape[-2]}, n={self.A.shape[-1]})"
+
+
+class AffineSubspaceTransform(Transform):
+    """The isometry ``u -> z0 + B u`` from ``R^(n - a)`` onto ``{z : A z = k}``.
+
+    ``B`` (n x (n - a)) is an orthonormal basis of the null space of ``A`` (the last n - a
+    columns of the complete QR factor of ``A^T``) and ``z0 = A^T (A A^T)^{-1} k`` is the point
+    of the subspace nearest the origin. Because ``B`` has orthonormal columns the map
+    preserves lengths, so its log-determinant with respect to the (n - a)-dimensional
+    Lebesgue (Hausdorff) measure on the subspace, the base measure of
+    :class:`LinearConstrainedNormal`, is 0. The inverse ``z -> B^T (z - z0)`` is the
+    orthogonal projection, so it also maps a point near the subspace to the nearest one.
+    """
+
+    def __init__(self, A: jax.Array, k: jax.Array):
+        self.A = A
+        self.k = k
+        self.offset, self.basis = _min_norm_point_and_basis(A, k)
+
+    @property
+    def domain(self) -> constraints.Constraint:
+        return constraints.real_vector
+
+    @property
+    def codomain(self) -> constraints.Constraint:
+        return AffineSubspace(self.A, self.k)
+
+    def __call__(self, u: jax.Array) -> jax.Array:
+        return self.offset + _rows_times(self.basis, u)
+
+    def _inverse(self, z: jax.Array) -> jax.Array:
+        return _combine_rows(z - self.offset, self.basis)
+
+    def log_abs_det_jacobian(self, x: jax.Array, y: jax.Array, intermediates=None) -> jax.Array:
+        shape = jnp.broadcast_shapes(jnp.shape(x)[:-1], jnp.shape(y)[:-1])
+        return jnp.zeros(shape, dtype=jnp.result_type(y))
+
+    def forward_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return jnp.broadcast_shapes(shape[:-1], self.offset.shape[:-1]) + self.basis.shape[-2:-1]
+
+    def inverse_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return jnp.broadcast_shapes(shape[:-1], self.offset.shape[:-1]) + self.basis.shape[-1:]
+
+    def tree_flatten(self):
+        return (self.A, self.k, self.offset, self.basis), (("A", "k", "offset", "basis"), dict())
+
+    def eq(self, other: object, static: bool = False):
+        if not isinstance(other, AffineSubspaceTransform):
+            return False
+        return self.codomain.eq(other.codomain, static=static)
+
+
+@biject_to.register(AffineSubspace)
+def _transform_to_affine_subspace(constraint: AffineSubspace) -> AffineSubspaceTransform:
+    return AffineSubspaceTransform(constraint.A, constraint.k)
+
+
+def _float_array(value, name: str, dtype) -> jax.Array:
+    array = jnp.asarray(value)
+    if not (
+        jnp.issubdtype(array.dtype, jnp.floating)
+        or jnp.issubdtype(array.dtype, jnp.integer)
+        or array.dtype == jnp.bool_
+    ):
+        raise ValueError(f"{name} must be a real array, got dtype {array.dtype}")
+    return array.astype(dtype)
+
+
+def _is_concrete(*arrays) -> bool:
+    return all(not_jax_tracer(a) for a in arrays)
+
+
+# The kernels below are jitted as a whole: besides fusing the O(n a) work, this compiles one
+# program per shape instead of dispatching dozens of small eager operations.
+
+
+@partial(jax.jit, static_argnames=("diagonal",))
+def _precompute(
+    loc: jax.Array, factor: jax.Array, A: jax.Array, k: jax.Array, diagonal: bool
+) -> dict[str, jax.Array]:
+    """Everything that depends only on the parameters; O(n a^2 + a^3) when ``diagonal``.
+
+    ``factor`` is the standard deviations (diagonal) or the lower Cholesky factor of Sigma.
+    """
+    if diagonal:
+        variance = jnp.square(factor)
+        a_sigma = A * variance[..., None, :]  # A Sigma, (..., a, n)
+        s_matrix = a_sigma @ jnp.swapaxes(A, -1, -2)
+        log_det_sigma_half = jnp.sum(jnp.log(factor), -1)
+        prior_variance = variance
+    else:
+        a_l = A @ factor
+        a_sigma = a_l @ jnp.swapaxes(factor, -1, -2)
+        s_matrix = a_l @ jnp.swapaxes(a_l, -1, -2)
+        log_det_sigma_half = jnp.sum(jnp.log(jnp.diagonal(factor, axis1=-2, axis2=-1)), -1)
+        prior_variance = jnp.sum(jnp.square(factor), -1)
+    chol_s = jnp.linalg.cholesky(s_matrix)
+    # K^T = S^{-1} A Sigma, (..., a, n): the only O(n a) object the calls need.
+    batch = jnp.broadcast_shapes(chol_s.shape[:-2], a_sigma.shape[:-2])
+    gain_t = jax.scipy.linalg.cho_solve(
+        (jnp.broadcast_to(chol_s, batch + chol_s.shape[-2:]), True),
+        jnp.broadcast_to(a_sigma, batch + a_sigma.shape[-2:]),
+    )
+    # The singular values of A are those of R in A^T = Q R (a x a), without an n x n factor.
+    singular_values = jnp.linalg.svd(
+        jnp.linalg.qr(jnp.swapaxes(A, -1, -2), mode="r"), compute_uv=False
+    )
+    num_rows, n = A.shape[-2:]
+    return {
+        "singular_values": singular_values,
+        "_a_sigma": a_sigma,
+        "_gain_t": gain_t,
+        "_chol_s": chol_s,
+        "_prior_variance": prior_variance,
+        "_mean": loc + _combine_rows(k - _rows_times(A, loc), gain_t),
+        # log p(z) = -1/2 (z - mu_bar)^T Sigma^{-1} (z - mu_bar) + _log_normalizer on the
+        # subspace: for A z = k the cross term with mu_bar - loc = K (k - A loc) vanishes,
+        # so the squared distance splits into this one plus the one of log N(k; A loc, S).
+        "_log_normalizer": (
+            -log_det_sigma_half
+            + jnp.sum(jnp.log(jnp.diagonal(chol_s, axis1=-2, axis2=-1)), -1)
+            - jnp.sum(jnp.log(singular_values), -1)
+            - 0.5 * (n - num_rows) * math.log(2 * math.pi)
+        ),
+    }
+
+
+@partial(jax.jit, static_argnames=("diagonal",))
+def _log_prob_kernel(
+    value: jax.Array,
+    mean: jax.Array,
+    factor: jax.Array,
+    log_normalizer: jax.Array,
+    A: jax.Array,
+    k: jax.Array,
+    diagonal: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """(log density, or -inf off the subspace; whether each value is on the subspace)."""
+    diff = value - mean
+    if diagonal:
+        mahalanobis = jnp.sum(jnp.square(diff / factor), -1)
+    else:
+        batch = jnp.broadcast_shapes(diff.shape[:-1], factor.shape[:-2])
+        solved = jax.scipy.linalg.solve_triangular(
+            jnp.broadcast_to(factor, batch + factor.shape[-2:]),
+            jnp.broadcast_to(diff, batch + diff.shape[-1:])[..., None],
+            lower=True,
+        )
+        mahalanobis = jnp.sum(jnp.square(solved[..., 0]), -1)
+    on_subspace = _on_subspace(value, A, k)
+    log_prob = -0.5 * mahalanobis + log_normalizer
+    return jnp.where(on_subspace, log_prob, -jnp.inf), on_subspace
+
+
+@partial(jax.jit, static_argnames=("diagonal",))
+def _matheron_kernel(
+    noise: jax.Array,
+    loc: jax.Array,
+    factor: jax.Array,
+    A: jax.Array,
+    k: jax.Array,
+    gain_t: jax.Array,
+    diagonal: bool,
+) -> jax.Array:
+    """Matheron's rule: ``x = loc + L noise``, ``z = x + K (k - A x)``."""
+    x = loc + (factor * noise if diagonal else _rows_times(factor, noise))
+    return x + _combine_rows(k - _rows_times(A, x), gain_t)
+
+
+class LinearConstrainedNormal(Distribution):
+    r"""A multivariate normal ``N(loc, Sigma)`` conditioned on the linear equalities ``A z = k``.
+
+    With ``S = A Sigma A^T`` and ``K = Sigma A^T S^{-1}`` the conditional distribution is the
+    degenerate Gaussian with mean ``mu_bar = loc + K (k - A loc)`` and covariance
+    ``Sigma_bar = Sigma - K A Sigma`` (rank n - a), supported on the affine subspace
+    ``{z : A z = k}``.
+
+    **Base measure.** :meth:`log_prob` is the density with respect to the (n - a)-dimensional
+    Lebesgue (Hausdorff) measure on the subspace:
+    ``log p(z) = log N(z; loc, Sigma) - log N(k; A loc, S) - 1/2 log det(A A^T)`` for
+    ``A z = k``. This equals
+    ``scipy.stats.multivariate_normal(mu_bar, Sigma_bar, allow_singular=True).logpdf(z)``, and
+    for ``loc = 0``, ``Sigma = s^2 I`` and the default zero-sum constraint it equals
+    ``numpyro.distributions.ZeroSumNormal(s, event_shape=(n,))``. It does not depend on a
+    choice of coordinates. A value off the subspace raises ``ValueError`` with validation on
+    (when the value is concrete; under ``jit`` it cannot be checked) and gets ``-inf``
+    otherwise.
+
+    **Sampling** is exact, by Matheron's rule: ``x = loc + L eps``, ``z = x + K (k - A x)``.
+    :meth:`sample` returns this sample carrying the gradient chosen by ``grad_estimator``:
+    ``"marginal_expectation"`` (default): straight-through through the conditional mean,
+    ``stop_gradient(z) + (mu_bar - stop_gradient(mu_bar))`` (biased, low variance);
+    ``"pathwise"``: the gradient of the Matheron sample itself (exact reparameterisation,
+    unbiased). Either way ``jax.grad`` through a sample works.
+
+    **Cost.** With a diagonal covariance (``scale``) construction is O(n a^2 + a^3) and every
+    call O(n a); no n x n matrix is formed except by :attr:`covariance_matrix`. With a full
+    covariance the Cholesky factor costs O(n^3) once and each sample or log_prob O(n^2).
+
+    :param loc: the unconditional mean, shape (..., n).
+    :param scale: unconditional standard deviations (diagonal covariance), shape (..., n).
+    :param covariance_matrix: unconditional covariance, shape (..., n, n).
+    :param scale_tril: lower Cholesky factor of the unconditional covariance, (..., n, n).
+        Exactly one of ``scale`` / ``covariance_matrix`` / ``scale_tril`` is given.
+    :param A: constraint matrix of shape (..., a, n) with rank a < n; default one row of ones.
+    :param k: right-hand side of shape (..., a); default zeros (with the default ``A``: the
+        zero-sum constraint).
+    :param grad_estimator: ``"marginal_expectation"`` or ``"pathwise"``.
+    """
+
+    arg_constraints = {
+        "loc": constraints.real_vector,
+        "scale": constraints.independent(constraints.positive, 1),
+        "scale_tril": constraints.lower_cholesky,
+        "A": constraints.independent(constraints.real, 2),
+        "k": constraints.real_vector,
+    }
+    reparametrized_params = ["loc", "scale", "covariance_matrix", "scale_tril"]
+    has_rsample = True
+    pytree_data_fields = (
+        "loc",
+        "scale",
+        "scale_tril",
+        "A",
+        "k",
+        "_a_sigma",
+        "_gain_t",
+        "_chol_s",
+        "_prior_variance",
+        "_mean",
+        "_log_normalizer",
+    )
+    pytree_aux_fields = ("grad_estimator", "_diagonal")
+
+    def __init__(
+        self,
+        loc: jax.Array,
+        scale: jax.Array | None = None,
+        *,
+        covariance_matrix: jax.Array | None = None,
+        scale_tril: jax.Array | None = None,
+        A: jax.Array | None = None,
+        k: jax.Array | float | None = None,
+        grad_estimator: str = "marginal_expectation",
+        validate_args: bool | None = None,
+    ):
+        validate = Distribution._validate_args if validate_args is None else validate_args
+        if grad_estimator not in GRAD_ESTIMATORS:
+            raise ValueError(
+                f"grad_estimator must be one of {GRAD_ESTIMATORS}, got {grad_estimator!r}"
+            )
+        if sum(p is not None for p in (scale, covariance_matrix, scale_tril)) != 1:
+            raise ValueError("exactly one of scale, covariance_matrix or scale_tril must be given")
+        loc = jnp.asarray(loc)
+        if not jnp.issubdtype(loc.dtype, jnp.floating):
+            loc = loc.astype(jnp.result_type(float))
+        dtype = loc.dtype
+        if loc.ndim < 1:
+            raise ValueError(f"loc must have at least one dimension (the event), got {loc.shape}")
+        n = loc.shape[-1]
+
+        if scale is not None:
+            scale = _float_array(scale, "scale", dtype)
+            if scale.ndim == 0:
+                scale = scale[None]
+            if scale.shape[-1] not in (1, n):
+                raise ValueError(f"scale must have last dimension {n} (or 1), got {scale.shape}")
+            scale = jnp.broadcast_to(scale, scale.shape[:-1] + (n,))
+            cov_batch_shape = scale.shape[:-1]
+        else:
+            name = "covariance_matrix" if covariance_matrix is not None else "scale_tril"
+            matrix = covariance_matrix if covariance_matrix is not None else scale_tril
+            matrix = _float_array(matrix, name, dtype)
+            if matrix.ndim < 2 or matrix.shape[-2:] != (n, n):
+                raise ValueError(f"{name} must have shape (..., {n}, {n}), got {matrix.shape}")
+            if covariance_matrix is not None:
+                if (
+                    validate
+                    and _is_concrete(matrix)
+                    and not np.all(constraints.positive_definite(matrix))
+                ):
+                    raise ValueError(
+                        "covariance_matrix must be symmetric positive definite (and free of NaN)"
+                    )
+                scale_tril = jnp.linalg.cholesky(matrix)
+            else:
+                scale_tril = matrix
+            cov_batch_shape = scale_tril.shape[:-2]
+
+        if A is None:
+            A = jnp.ones((1, n), dtype=dtype)
+        else:
+            A = _float_array(A, "A", dtype)
+            if A.ndim < 2:
+                raise ValueError(f"A must have shape (..., a, n), got {A.shape}")
+            if A.shape[-1] != n:
+                raise ValueError(
+                    f"A must have n = {n} columns (the size of loc), got shape {A.shape}"
+                )
+        num_rows = A.shape[-2]
+        if not 1 <= num_rows < n:
+            raise ValueError(
+                f"A must have between 1 and n - 1 = {n - 1} rows (rank a < n), got {num_rows}"
+            )
+        if k is None:
+            k = jnp.zeros(num_rows, dtype=dtype)
+        else:
+            k = _float_array(k, "k", dtype)
+            if k.ndim == 0 and num_rows == 1:
+                k = k[None]
+            if k.ndim < 1 or k.shape[-1] != num_rows:
+                raise ValueError(
+                    f"k must have shape (..., a) with a = {num_rows} (the rows of A), "
+                    f"got {tuple(k.shape)}"
+                )
+
+        try:
+            batch_shape = jnp.broadcast_shapes(
+                loc.shape[:-1], cov_batch_shape, A.shape[:-2], k.shape[:-1]
+            )
+        except ValueError as error:
+            raise ValueError(
+                f"the batch shapes of the parameters do not broadcast: {error}"
+            ) from None
+
+        self.loc = jnp.broadcast_to(loc, batch_shape + (n,))
+        if scale is not None:
+            self.scale = scale
+        else:
+            self.scale_tril = scale_tril
+        self._diagonal = scale is not None
+        self.A = A
+        self.k = k
+        self.grad_estimator = grad_estimator
+        super().__init__(batch_shape, (n,), validate_args=validate_args)
+
+        factor = scale if scale is not None else scale_tril
+        cached = _precompute(self.loc, factor, A, k, diagonal=self._diagonal)
+        singular_values = cached.pop("singular_values")
+        if validate and _is_concrete(singular_values):
+            tolerance = singular_values[..., :1] * max(A.shape[-2:]) * jnp.finfo(dtype).eps
+            if not np.all(singular_values[..., -1:] > tolerance):
+                raise ValueError(f"A must have full row rank {num_rows}; it is rank-deficient")
+        for name, value in cached.items():
+            setattr(self, name, value)
+
+    @lazy_property
+    def scale_tril(self) -> jax.Array:
+        """Lower Cholesky factor of the unconditional covariance Sigma (n x n)."""
+        return self.scale[..., :, None] * jnp.eye(self.scale.shape[-1], dtype=self.scale.dtype)
+
+    @lazy_property
+    def scale(self) -> jax.Array:
+        """Unconditional standard deviations, sqrt(diag Sigma)."""
+        return jnp.sqrt(self._prior_variance)
+
+    @classmethod
+    def infer_shapes(
+        cls, loc, scale=None, covariance_matrix=None, scale_tril=None, A=None, k=None, **kwargs
+    ):
+        batch_shapes = [loc[:-1]]
+        if scale is not None:
+            batch_shapes.append(scale[:-1])
+        for matrix in (covariance_matrix, scale_tril, A):
+            if matrix is not None:
+                batch_shapes.append(matrix[:-2])
+        if k is not None:
+            batch_shapes.append(k[:-1])
+        return jnp.broadcast_shapes(*batch_shapes), tuple(loc[-1:])
+
+    def expand(self, batch_shape) -> LinearConstrainedNormal:
+        batch_shape = tuple(batch_shape)
+        if batch_shape == self.batch_shape:
+            return self
+        new = copy.copy(self)
+        event = self.event_shape
+        new.loc = jnp.broadcast_to(self.loc, batch_shape + event)
+        new._mean = jnp.broadcast_to(self._mean, batch_shape + event)
+        new._log_normalizer = jnp.broadcast_to(self._log_normalizer, batch_shape)
+        new._batch_shape = batch_shape
+        return new
+
+    @constraints.dependent_property(is_discrete=False, event_dim=1)
+    def support(self) -> AffineSubspace:
+        return AffineSubspace(self.A, self.k)
+
+    @property
+    def mean(self) -> jax.Array:
+        """The conditional mean ``mu_bar``."""
+        return self._mean
+
+    @property
+    def mode(self) -> jax.Array:
+        return self._mean
+
+    @property
+    def variance(self) -> jax.Array:
+        """``diag Sigma_bar = diag Sigma - sum_j K_ij (A Sigma)_ji``, O(n a), clamped at 0."""
+        variance = self._prior_variance - jnp.sum(self._gain_t * self._a_sigma, -2)
+        return jnp.broadcast_to(jnp.maximum(variance, 0), self.batch_shape + self.event_shape)
+
+    @property
+    def covariance_matrix(self) -> jax.Array:
+        """The conditional covariance ``Sigma_bar`` (n x n, rank n - a): forms an n x n matrix."""
+        sigma = self.scale_tril @ jnp.swapaxes(self.scale_tril, -1, -2)
+        bar = sigma - jnp.swapaxes(self._a_sigma, -1, -2) @ self._gain_t
+        bar = 0.5 * (bar + jnp.swapaxes(bar, -1, -2))
+        return jnp.broadcast_to(bar, self.batch_shape + self.event_shape + self.event_shape)
+
+    @property
+    def marginals(self) -> Normal:
+        """The conditional marginal ``N(mu_bar_i, Sigma_bar_ii)`` of each coordinate.
+
+        A coordinate that the constraint fixes has standard deviation 0, which ``Normal``
+        rejects, so the result is built without argument validation.
+        """
+        return Normal(self.mean, jnp.sqrt(self.variance), validate_args=False)
+
+    def entropy(self) -> jax.Array:
+        """``H = (n - a)/2 (1 + log 2 pi) + 1/2 log det Sigma - 1/2 log det S
+        + 1/2 log det(A A^T)``, with respect to the Hausdorff measure on the subspace."""
+        dim = self.event_shape[0] - self.A.shape[-2]
+        return jnp.broadcast_to(0.5 * dim - self._log_normalizer, self.batch_shape)
+
+    def _factor(self) -> jax.Array:
+        return self.scale if self._diagonal else self.scale_tril
+
+    def log_prob(self, value: jax.Array) -> jax.Array:
+        """Log density with respect to the Hausdorff measure on ``{z : A z = k}``."""
+        log_prob, on_subspace = _log_prob_kernel(
+            jnp.asarray(value),
+            self._mean,
+            self._factor(),
+            self._log_normalizer,
+            self.A,
+            self.k,
+            diagonal=self._diagonal,
+        )
+        if self._validate_args and not_jax_tracer(on_subspace) and not np.all(on_subspace):
+            raise ValueError(
+                "log_prob: the value is not on the support {z : A z = k} of "
+                "LinearConstrainedNormal (residual above the tolerance)"
+            )
+        return log_prob
+
+    def _matheron_sample(self, key: jax.Array, sample_shape: tuple[int, ...]) -> jax.Array:
+        shape = sample_shape + self.batch_shape + self.event_shape
+        noise = jax.random.normal(key, shape, dtype=self.loc.dtype)
+        return self._matheron_from_noise(noise)
+
+    def _matheron_from_noise(self, noise: jax.Array) -> jax.Array:
+        """Matheron's rule applied to standard normal ``noise`` of shape (..., n)."""
+        return _matheron_kernel(
+            noise, self.loc, self._factor(), self.A, self.k, self._gain_t, diagonal=self._diagonal
+        )
+
+    def sample(self, key: jax.Array, sample_shape: tuple[int, ...] = ()) -> jax.Array:
+        """An exact sample carrying the gradient chosen by ``grad_estimator``."""
+        sample_shape = tuple(sample_shape)
+        if self.grad_estimator == "pathwise":
+            return self._matheron_sample(key, sample_shape)
+        z = lax.stop_gradient(self._matheron_sample(key, sample_shape))
+        proxy = jnp.broadcast_to(self._mean, z.shape)
+        return z + (proxy - lax.stop_gradient(proxy))
+
+
+@vmap_over.register
+def _vmap_over_linear_constrained_normal(
+    dist: LinearConstrainedNormal,
+    loc=None,
+    scale=None,
+    covariance_matrix=None,
+    scale_tril=None,
+    A=None,
+    k=None,
+):
+    # The cached fields are batched along the mapped axis exactly when a parameter they are
+    # computed from is.
+    def first(*axes):
+        return next((axis for axis in axes if axis is not None), None)
+
+    covariance_axis = first(scale, covariance_matrix, scale_tril)
+    gain_axis = first(covariance_axis, A)
+    return _default_vmap_over(
+        dist,
+        loc=loc,
+        scale=covariance_axis,
+        scale_tril=covariance_axis,
+        A=A,
+        k=k,
+        _a_sigma=gain_axis,
+        _gain_t=gain_axis,
+        _chol_s=gain_axis,
+        _prior_variance=covariance_axis,
+        _mean=first(loc, gain_axis, k),
+        _log_normalizer=gain_axis,
+    )
+
+
+def _same_constraint(p: LinearConstrainedNormal, q: LinearConstrainedNormal) -> None:
+    if p.event_shape != q.event_shape or p.A.shape[-2] != q.A.shape[-2]:
+        raise ValueError(
+            f"KL needs the same n and number of constraints, got A of shapes {p.A.shape} "
+            f"and {q.A.shape}"
+        )
+    # Under jit A and k are tracers and cannot be compared: the caller is responsible.
+    if _is_concrete(p.A, q.A, p.k, q.k):
+        try:
+            same = bool(np.all(np.asarray(p.A) == np.asarray(q.A))) and bool(
+                np.all(np.asarray(p.k) == np.asarray(q.k))
+            )
+        except ValueError:
+            same = False
+        if not same:
+            raise ValueError(
+                "KL between LinearConstrainedNormals needs the same A and k (different affine "
+                "subspaces make the KL infinite or undefined)"
+            )
+
+
+@kl_divergence.register(LinearConstrainedNormal, LinearConstrainedNormal)
+def _kl_linear_constrained_normal(
+    p: LinearConstrainedNormal, q: LinearConstrainedNormal
+) -> jax.Array:
+    """``KL(p || q) = -H_p - E_p[log q(z)]`` for two with the same A and k.
+
+    ``E_p[(z - mu_bar_q)^T Sigma_q^{-1} (z - mu_bar_q)] = tr(Sigma_q^{-1} Sigma_bar_p)
+    + (mu_bar_p - mu_bar_q)^T Sigma_q^{-1} (mu_bar_p - mu_bar_q)``, where
+    ``tr(Sigma_q^{-1} Sigma_bar_p) = tr(Sigma_q^{-1} Sigma_p) - tr(Sigma_q^{-1} K_p A Sigma_p)``:
+    O(n a) when both covariances are diagonal, O(n^3) otherwise. That A and k agree is
+    checked when they are concrete; under ``jit`` it cannot be.
+    """
+    _same_constraint(p, q)
+    mean_diff = p.mean - q.mean
+    if p._diagonal and q._diagonal:
+        q_variance = jnp.square(q.scale)
+        trace = jnp.sum(p._prior_variance / q_variance, -1) - jnp.sum(
+            p._gain_t * p._a_sigma / q_variance[..., None, :], (-2, -1)
+        )
+        maha = jnp.sum(jnp.square(mean_diff) / q_variance, -1)
+    else:
+        q_tril = q.scale_tril
+
+        def whiten(matrix: jax.Array) -> jax.Array:
+            batch = jnp.broadcast_shapes(q_tril.shape[:-2], matrix.shape[:-2])
+            return jax.scipy.linalg.solve_triangular(
+                jnp.broadcast_to(q_tril, batch + q_tril.shape[-2:]),
+                jnp.broadcast_to(matrix, batch + matrix.shape[-2:]),
+                lower=True,
+            )
+
+        trace = jnp.sum(jnp.square(whiten(p.scale_tril)), (-2, -1)) - jnp.sum(
+            whiten(jnp.swapaxes(p._gain_t, -1, -2)) * whiten(jnp.swapaxes(p._a_sigma, -1, -2)),
+            (-2, -1),
+        )
+        maha = jnp.sum(jnp.square(whiten(mean_diff[..., None])[..., 0]), -1)
+    cross_entropy = 0.5 * (trace + maha) - q._log_normalizer
+    return cross_entropy - p.entropy()

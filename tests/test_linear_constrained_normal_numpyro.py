@@ -1,0 +1,360 @@
+"""LinearConstrainedNormal (NumPyro) against SciPy's singular normal, NumPyro's
+ZeroSumNormal and Monte Carlo; jit / vmap / grad."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from numpyro.distributions import ZeroSumNormal, kl_divergence
+from numpyro.distributions.batch_util import vmap_over
+from numpyro.distributions.transforms import biject_to
+
+from numpyro_constrained import LinearConstrainedNormal
+from numpyro_constrained.losses import expected_l1_loss, expected_l2_loss
+from tests.oracles import linear_gaussian as oracle
+
+CASES = oracle.CASES
+KEY = jax.random.PRNGKey(0)
+
+
+def build(case, n=5, a=2, seed=0, dtype=jnp.float64, **kwargs):
+    params, cov, A, k = oracle.random_parameters(case, n, a, seed)
+    arrays = {name: jnp.asarray(value, dtype=dtype) for name, value in params.items()}
+    return LinearConstrainedNormal(**arrays, **kwargs), params, cov, A, k
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_log_prob_and_entropy_match_scipy_singular_normal(case):
+    dist, params, cov, A, k = build(case)
+    reference = oracle.singular_normal(params["loc"], cov, A, k)
+    values = reference.rvs(size=7, random_state=1)
+    np.testing.assert_allclose(dist.log_prob(values), reference.logpdf(values), rtol=1e-8)
+    np.testing.assert_allclose(dist.entropy(), reference.entropy(), rtol=1e-10)
+
+
+@pytest.mark.parametrize("scale", [0.3, 1.7])
+def test_zero_sum_case_equals_numpyro_zero_sum_normal(scale):
+    n = 6
+    reference = ZeroSumNormal(scale, event_shape=(n,))
+    values = reference.sample(KEY, (20,))
+    dist = LinearConstrainedNormal(jnp.zeros(n), jnp.full(n, scale))
+    np.testing.assert_allclose(dist.log_prob(values), reference.log_prob(values), rtol=1e-10)
+    np.testing.assert_allclose(dist.variance, reference.variance, rtol=1e-12)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_moments_and_marginals_match_the_conditional_gaussian(case):
+    dist, params, cov, A, k = build(case)
+    mean, covariance = oracle.conditional_moments(params["loc"], cov, A, k)
+    np.testing.assert_allclose(dist.mean, mean, atol=1e-12)
+    np.testing.assert_allclose(dist.variance, np.diag(covariance), atol=1e-12)
+    np.testing.assert_allclose(dist.covariance_matrix, covariance, atol=1e-12)
+    np.testing.assert_allclose(dist.marginals.loc, mean, atol=1e-12)
+    np.testing.assert_allclose(dist.marginals.scale, np.sqrt(np.diag(covariance)), atol=1e-12)
+
+
+@pytest.mark.parametrize("case", ["diag", "full_cov"])
+def test_monte_carlo_moments_of_1e5_samples(case):
+    dist, params, cov, A, k = build(case)
+    mean, covariance = oracle.conditional_moments(params["loc"], cov, A, k)
+    samples = np.asarray(dist.sample(KEY, (100_000,)))
+    # 5 standard errors: sqrt(var / N) (mean), sqrt((S_ii S_jj + S_ij^2) / N) (covariance).
+    std = np.sqrt(np.diag(covariance))
+    assert np.all(np.abs(samples.mean(0) - mean) < 5 * std / math.sqrt(1e5) + 1e-12)
+    cov_se = np.sqrt((np.outer(std**2, std**2) + covariance**2) / 1e5)
+    assert np.all(np.abs(np.cov(samples.T) - covariance) < 5 * cov_se + 1e-12)
+    assert np.abs(samples @ A.T - k).max() < 1e-10
+
+
+@pytest.mark.parametrize("case", ["diag", "scale_tril"])
+def test_samples_pass_goodness_of_fit_on_the_subspace(case):
+    dist, params, cov, A, k = build(case, n=6, a=2)
+    samples = dist.sample(jax.random.PRNGKey(1), (4000,))
+    radius_p, coordinate_p = oracle.goodness_of_fit_pvalues(samples, params["loc"], cov, A, k)
+    assert radius_p > 1e-3 and coordinate_p > 1e-3
+
+
+def test_batch_dimensions_broadcast_against_scipy():
+    rng = np.random.default_rng(3)
+    n, a = 4, 2
+    loc = rng.normal(size=(2, 1, n))
+    scale = rng.uniform(0.5, 2, size=(3, n))
+    A = rng.normal(size=(a, n))
+    k = rng.normal(size=(2, 1, a))
+    dist = LinearConstrainedNormal(loc, scale, A=A, k=k)
+    assert dist.batch_shape == (2, 3) and dist.event_shape == (n,)
+    samples = np.asarray(dist.sample(KEY, (5,)))
+    assert samples.shape == (5, 2, 3, n)
+    log_prob = dist.log_prob(samples)
+    for i in range(2):
+        for j in range(3):
+            reference = oracle.singular_normal(loc[i, 0], np.diag(scale[j] ** 2), A, k[i, 0])
+            np.testing.assert_allclose(log_prob[:, i, j], reference.logpdf(samples[:, i, j]))
+            assert np.abs(A @ samples[:, i, j].T - k[i, 0][:, None]).max() < 1e-10
+
+
+def test_batched_A_and_full_covariance():
+    A = np.random.default_rng(4).normal(size=(3, 1, 4))
+    params, cov, _, _ = oracle.random_parameters("scale_tril", n=4, seed=4)
+    dist = LinearConstrainedNormal(params["loc"], scale_tril=params["scale_tril"], A=A)
+    assert dist.batch_shape == (3,)
+    values = dist.sample(KEY, (2,))
+    for b in range(3):
+        reference = oracle.singular_normal(params["loc"], cov, A[b], np.zeros(1))
+        np.testing.assert_allclose(dist.log_prob(values)[:, b], reference.logpdf(values[:, b]))
+
+
+def test_expand_and_infer_shapes():
+    dist, *_ = build("diag")
+    expanded = dist.expand((3, 2))
+    assert isinstance(expanded, LinearConstrainedNormal)
+    assert expanded.batch_shape == (3, 2) and expanded.sample(KEY, (4,)).shape == (4, 3, 2, 5)
+    value = dist.sample(KEY)
+    np.testing.assert_allclose(
+        expanded.log_prob(value), jnp.broadcast_to(dist.log_prob(value), (3, 2))
+    )
+    np.testing.assert_allclose(expanded.mean, jnp.broadcast_to(dist.mean, (3, 2, 5)))
+    np.testing.assert_allclose(expanded.variance, jnp.broadcast_to(dist.variance, (3, 2, 5)))
+    np.testing.assert_allclose(expanded.entropy(), jnp.broadcast_to(dist.entropy(), (3, 2)))
+    shapes = LinearConstrainedNormal.infer_shapes((2, 1, 5), scale=(3, 5), A=(2, 5), k=(2,))
+    assert shapes == ((2, 3), (5,))
+
+
+def test_float32_keeps_its_dtype_with_x64_enabled():
+    dist, params, cov, A, k = build("diag", dtype=jnp.float32)
+    samples = dist.sample(KEY, (50,))
+    for array in (samples, dist.mean, dist.variance, dist.log_prob(samples), dist.entropy()):
+        assert array.dtype == jnp.float32
+    reference = oracle.logpdf(oracle.project(samples, A, k), params["loc"], cov, A, k)
+    np.testing.assert_allclose(dist.log_prob(samples), reference, rtol=1e-4, atol=1e-4)
+
+
+def test_large_n_with_diagonal_covariance_never_forms_n_by_n():
+    # An n x n float64 matrix at n = 10^6 would need 8 TB.
+    n, a = 1_000_000, 3
+    A = jax.random.normal(jax.random.PRNGKey(2), (a, n))
+    dist = LinearConstrainedNormal(jnp.zeros(n), jnp.ones(n), A=A, k=jnp.ones(a))
+    z = dist.sample(KEY)
+    assert jnp.isfinite(dist.log_prob(z))
+    assert jnp.abs(A @ z - 1).max() < 1e-6
+    assert jnp.isfinite(expected_l1_loss(dist, dist.mean)) and dist.variance.shape == (n,)
+
+
+def test_jit_vmap_and_vmap_over():
+    dist, params, cov, A, k = build("diag")
+    value = dist.sample(KEY, (3,))
+    np.testing.assert_allclose(
+        jax.jit(lambda d, z: d.log_prob(z))(dist, value), dist.log_prob(value)
+    )
+    jitted = jax.jit(lambda loc, scale: LinearConstrainedNormal(loc, scale, A=A, k=k).sample(KEY))
+    np.testing.assert_allclose(jitted(params["loc"], params["scale"]), dist.sample(KEY))
+
+    locs = jnp.stack([jnp.asarray(params["loc"]) + shift for shift in (0.0, 1.0, -2.0)])
+    scales = jnp.stack([jnp.asarray(params["scale"]) * factor for factor in (1.0, 2.0, 0.5)])
+
+    def make(loc, scale):
+        return LinearConstrainedNormal(loc, scale, A=A, k=k)
+
+    for axes, args in (
+        ({"loc": 0}, (locs, jnp.asarray(params["scale"]))),
+        ({"scale": 0}, (jnp.asarray(params["loc"]), scales)),
+        ({"loc": 0, "scale": 0}, (locs, scales)),
+    ):
+        in_axes = tuple(0 if name in axes else None for name in ("loc", "scale"))
+        batched = jax.vmap(make, in_axes=in_axes, out_axes=vmap_over(dist, **axes))(*args)
+        for b in range(3):
+            one = make(
+                *(arg[b] if axis == 0 else arg for arg, axis in zip(args, in_axes, strict=True))
+            )
+            np.testing.assert_allclose(batched.mean[b], one.mean)
+            np.testing.assert_allclose(batched.log_prob(value[0])[b], one.log_prob(value[0]))
+
+
+# --- gradients ---------------------------------------------------------------------------
+
+
+def test_default_estimator_gradient_is_the_gradient_of_the_conditional_mean():
+    params, cov, A, k = oracle.random_parameters("diag")
+    weights = np.random.default_rng(5).normal(size=5)
+
+    def through_sample(loc, scale):
+        return weights @ LinearConstrainedNormal(loc, scale, A=A, k=k).sample(KEY)
+
+    grad_loc, grad_scale = jax.grad(through_sample, argnums=(0, 1))(params["loc"], params["scale"])
+
+    def objective(loc_np, scale_np):
+        mean, _ = oracle.conditional_moments(loc_np, np.diag(scale_np**2), A, k)
+        return weights @ mean
+
+    step, eye = 1e-6, np.eye(5)
+    loc0, scale0 = params["loc"], params["scale"]
+    fd_loc = [
+        (objective(loc0 + step * e, scale0) - objective(loc0 - step * e, scale0)) / (2 * step)
+        for e in eye
+    ]
+    fd_scale = [
+        (objective(loc0, scale0 + step * e) - objective(loc0, scale0 - step * e)) / (2 * step)
+        for e in eye
+    ]
+    np.testing.assert_allclose(grad_loc, fd_loc, atol=1e-7)
+    np.testing.assert_allclose(grad_scale, fd_scale, atol=1e-7)
+
+
+def test_sample_value_is_the_same_exact_sample_for_both_estimators():
+    params, cov, A, k = oracle.random_parameters("diag")
+    samples = [
+        LinearConstrainedNormal(params["loc"], params["scale"], A=A, k=k, grad_estimator=g).sample(
+            KEY, (3,)
+        )
+        for g in ("marginal_expectation", "pathwise")
+    ]
+    np.testing.assert_array_equal(samples[0], samples[1])
+    assert LinearConstrainedNormal(params["loc"], params["scale"], A=A, k=k).has_rsample
+
+
+def test_pathwise_estimator_is_unbiased_for_the_expected_l2_loss():
+    params, cov, A, k = oracle.random_parameters("diag")
+    mean, _ = oracle.conditional_moments(params["loc"], cov, A, k)
+    target = oracle.project(mean + np.random.default_rng(6).normal(size=5) * 0.5, A, k)
+    theta = (jnp.asarray(params["loc"]), jnp.asarray(params["scale"]))
+
+    def closed_form(loc, scale):
+        return expected_l2_loss(LinearConstrainedNormal(loc, scale, A=A, k=k), target)
+
+    def monte_carlo(loc, scale, key, estimator):
+        dist = LinearConstrainedNormal(loc, scale, A=A, k=k, grad_estimator=estimator)
+        return jnp.mean(jnp.sum(jnp.square(dist.sample(key, (2000,)) - target), -1))
+
+    truth = jnp.concatenate(jax.grad(closed_form, argnums=(0, 1))(*theta))
+    keys = jax.random.split(KEY, 20)
+
+    def estimate(key, estimator):
+        return jnp.concatenate(jax.grad(monte_carlo, argnums=(0, 1))(*theta, key, estimator))
+
+    replicates = jnp.stack([estimate(key, "pathwise") for key in keys])
+    standard_error = replicates.std(0, ddof=1) / math.sqrt(20)
+    assert jnp.all(jnp.abs(replicates.mean(0) - truth) < 5 * standard_error + 1e-9)
+    biased = jnp.stack([estimate(key, "marginal_expectation") for key in keys[:5]]).mean(0)
+    assert jnp.abs(biased[5:] - truth[5:]).max() > 0.5
+
+
+# --- KL and losses ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("case_p", "case_q"),
+    [("diag", "diag"), ("diag", "full_cov"), ("scale_tril", "diag"), ("full_cov", "scale_tril")],
+)
+def test_kl_matches_the_pseudo_inverse_formula(case_p, case_q):
+    p, params_p, cov_p, A, k = build(case_p, seed=0)
+    params_q, cov_q, _, _ = oracle.random_parameters(case_q, seed=1)
+    q = LinearConstrainedNormal(**{**params_q, "A": A, "k": k})
+    expected = oracle.kl_same_support(
+        oracle.conditional_moments(params_p["loc"], cov_p, A, k),
+        oracle.conditional_moments(params_q["loc"], cov_q, A, k),
+    )
+    np.testing.assert_allclose(kl_divergence(p, q), expected, rtol=1e-9)
+    assert abs(kl_divergence(p, p)) < 1e-10
+    np.testing.assert_allclose(jax.jit(lambda p, q: kl_divergence(p, q))(p, q), expected, rtol=1e-9)
+
+
+def test_kl_rejects_different_constraints():
+    p, *_ = build("diag", seed=0)
+    q, *_ = build("diag", seed=1)
+    with pytest.raises(ValueError, match="same A and k"):
+        kl_divergence(p, q)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_expected_losses_match_quadrature_and_monte_carlo(case):
+    dist, params, cov, A, k = build(case)
+    target = oracle.singular_normal(params["loc"], cov, A, k).rvs(random_state=2)
+    l1_ref, l2_ref = oracle.expected_losses(params["loc"], cov, A, k, target)
+    l1, l2 = expected_l1_loss(dist, target), expected_l2_loss(dist, target)
+    np.testing.assert_allclose([l1, l2], [l1_ref, l2_ref], rtol=1e-6)
+    samples = dist.sample(KEY, (100_000,))
+    for estimate, closed in (
+        (jnp.abs(samples - target).sum(-1), l1),
+        (jnp.square(samples - target).sum(-1), l2),
+    ):
+        assert abs(estimate.mean() - closed) < 5 * estimate.std() / math.sqrt(1e5)
+
+
+def test_l1_loss_with_a_coordinate_fixed_by_the_constraint_has_finite_gradients():
+    A, k, target = np.array([[1.0, 0.0, 0.0]]), np.array([0.7]), np.array([0.2, 0.0, 1.0])
+
+    def loss(loc, scale):
+        return expected_l1_loss(LinearConstrainedNormal(loc, scale, A=A, k=k), target)
+
+    loc, scale = jnp.array([0.3, -1.0, 2.0]), jnp.array([1.0, 0.5, 2.0])
+    l1_ref, _ = oracle.expected_losses(loc, np.diag(scale**2), A, k, target)
+    np.testing.assert_allclose(loss(loc, scale), l1_ref, rtol=1e-8)
+    assert all(jnp.isfinite(g).all() for g in jax.grad(loss, argnums=(0, 1))(loc, scale))
+
+
+# --- support, bijection, validation -------------------------------------------------------
+
+
+def test_registered_bijection_is_an_isometry_onto_the_subspace():
+    dist, params, cov, A, k = build("diag", n=6, a=2)
+    transform = biject_to(dist.support)
+    u = jax.random.normal(KEY, (10, 4))
+    z = transform(u)
+    assert z.shape == (10, 6)
+    assert np.abs(z @ A.T - k).max() < 1e-12
+    assert dist.support(z).all()
+    np.testing.assert_allclose(transform.inv(z), u, atol=1e-12)
+    distances = lambda x: jnp.linalg.norm(x[:, None] - x[None], axis=-1)  # noqa: E731
+    np.testing.assert_allclose(distances(z), distances(u), atol=1e-12)
+    assert (transform.log_abs_det_jacobian(u, z) == 0).all()
+    assert transform.inverse_shape((3, 6)) == (3, 4) and transform.forward_shape((3, 4)) == (3, 6)
+    assert dist.support(dist.support.feasible_like(z)).all()
+
+
+def test_log_prob_off_the_subspace():
+    dist, *_ = build("diag")
+    value = dist.sample(KEY) + 1e-3
+    with pytest.raises(ValueError, match="support"):
+        dist.log_prob(value)
+    assert jax.jit(lambda d, z: d.log_prob(z))(dist, value) == -jnp.inf
+    unchecked, *_ = build("diag", validate_args=False)
+    assert unchecked.log_prob(value) == -jnp.inf
+    assert jnp.isfinite(unchecked.log_prob(unchecked.sample(KEY)))
+
+
+BAD_INPUTS = [
+    ({"A": [[1.0, 2.0, 3.0], [2.0, 4.0, 6.0]]}, "rank"),
+    ({"A": np.eye(3)}, "rows"),
+    ({"A": np.ones((1, 4))}, "columns"),
+    ({"A": np.ones(3)}, "A must have shape"),
+    ({"k": [0.0, 1.0]}, "k must have shape"),
+    ({"scale": [1.0, 0.0, 1.0]}, "scale"),
+    ({"scale": [1.0, -1.0, 1.0]}, "scale"),
+    ({"scale": [1.0, 1.0]}, "scale"),
+    (
+        {"scale": None, "covariance_matrix": [[1.0, 2.0, 0], [2.0, 1.0, 0], [0, 0, 1.0]]},
+        "covariance_matrix",
+    ),
+    ({"scale": None, "covariance_matrix": np.eye(4)}, "covariance_matrix"),
+    ({"scale": None, "scale_tril": [[1.0, 1.0, 0], [0, 1.0, 0], [0, 0, 1.0]]}, "scale_tril"),
+    ({"loc": [0.0, math.nan, 1.0]}, "loc"),
+    ({"scale": [1.0, math.nan, 1.0]}, "scale"),
+    ({"A": [[1.0, math.nan, 1.0]]}, "A"),
+    ({"k": [math.nan]}, "k"),
+    ({"loc": np.zeros((2, 3)), "k": np.zeros((3, 1))}, "broadcast"),
+    ({"covariance_matrix": np.eye(3)}, "exactly one"),
+    ({"grad_estimator": "reinforce"}, "grad_estimator"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "message"), BAD_INPUTS)
+def test_bad_input_raises_a_value_error_naming_the_problem(overrides, message):
+    kwargs = {"loc": [0.0, 1.0, 2.0], "scale": [1.0, 1.0, 1.0], **overrides}
+    kwargs = {
+        name: jnp.asarray(value) if not isinstance(value, str) and value is not None else value
+        for name, value in kwargs.items()
+    }
+    with pytest.raises(ValueError, match=message):
+        LinearConstrainedNormal(**kwargs)
