@@ -5,8 +5,9 @@ with NumPyro; nothing is patched into ``numpyro.distributions``.
 """
 
 from numpyro_constrained import losses
+from numpyro_constrained.conditioned_poisson import ConditionedPoisson
 from numpyro_constrained.exactly_k_bernoulli import ExactlyKBernoulli
 from numpyro_constrained.linear_constrained_normal import LinearConstrainedNormal
 
-__all__ = ["ExactlyKBernoulli", "LinearConstrainedNormal", "losses"]
+__all__ = ["ConditionedPoisson", "ExactlyKBernoulli", "LinearConstrainedNormal", "losses"]
 __version__ = "0.1.0"

@@ -15,7 +15,9 @@ from functools import singledispatch
 
 import jax
 import jax.numpy as jnp
+from jax.scipy.special import gammaln
 
+from numpyro_constrained.conditioned_poisson import ConditionedPoisson, _log_p_and_log1m_p
 from numpyro_constrained.exactly_k_bernoulli import ExactlyKBernoulli
 
 
@@ -80,3 +82,52 @@ def _expected_l1_loss_linear_constrained_normal(
         -0.5 * jnp.square(offset / std)
     ) + offset * jax.scipy.special.erf(offset / (math.sqrt(2) * std))
     return jnp.sum(jnp.where(spread, folded, jnp.abs(offset)), -1)
+
+
+# ConditionedPoisson ------------------------------------------------------------------------
+# z_i ~ Binomial(k, p_i) marginally (MATH.md section 5, with the corrected L1 formula, not
+# the published one).
+
+
+def _binomial_pmf_and_cdf_at(dist: ConditionedPoisson, target):
+    """``Binomial(y_i; k, p_i)`` and its CDF ``F(y_i)`` at integer targets ``y``, by summing
+    the pmf over ``0..k``: differentiable in the rates. Needs a static bound ``k_max``."""
+    if dist.k_max is None:
+        raise ValueError("the expected L1 loss of ConditionedPoisson needs k_max when k is traced")
+    _, log_p, log1m_p = _log_p_and_log1m_p(dist.rate)
+    dtype = log_p.dtype
+    j = jnp.arange(dist.k_max + 1, dtype=dtype)
+    k = dist.k.astype(dtype)[..., None, None]
+    in_range = j <= k
+    j_in_range = jnp.minimum(j, k)
+    log_pmf = (
+        gammaln(k + 1)
+        - gammaln(j_in_range + 1)
+        - gammaln(k - j_in_range + 1)
+        + j_in_range * log_p[..., None]
+        + (k - j_in_range) * log1m_p[..., None]
+    )
+    pmf = jnp.where(in_range, jnp.exp(log_pmf), 0.0)
+    y = target[..., None]
+    pmf_at_y = jnp.sum(jnp.where(j == y, pmf, 0.0), -1)
+    cdf_at_y = jnp.sum(jnp.where(j <= y, pmf, 0.0), -1)
+    return pmf_at_y, cdf_at_y
+
+
+@expected_l1_loss.register
+def _(dist: ConditionedPoisson, target) -> jax.Array:
+    """``sum_i 2 (k - y_i) p_i Bin(y_i; k, p_i) + (k p_i - y_i)(1 - 2 F(y_i))``, ``F`` the
+    Binomial(k, p_i) CDF, for integer targets ``y``."""
+    target = jnp.asarray(target, dtype=dist.rate.dtype)
+    p = dist.probs
+    k = dist.k.astype(p.dtype)[..., None]
+    pmf_at_y, cdf_at_y = _binomial_pmf_and_cdf_at(dist, target)
+    terms = 2 * (k - target) * p * pmf_at_y + (k * p - target) * (1 - 2 * cdf_at_y)
+    return jnp.sum(terms, -1)
+
+
+@expected_l2_loss.register
+def _(dist: ConditionedPoisson, target) -> jax.Array:
+    """``sum_i k p_i (1 - p_i) + (k p_i - y_i)^2``."""
+    target = jnp.asarray(target, dtype=dist.rate.dtype)
+    return jnp.sum(dist.variance + (dist.mean - target) ** 2, -1)

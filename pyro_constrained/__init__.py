@@ -5,8 +5,9 @@ with ``torch.distributions`` / Pyro; nothing is patched into ``pyro.distribution
 """
 
 from pyro_constrained import losses
+from pyro_constrained.conditioned_poisson import ConditionedPoisson
 from pyro_constrained.exactly_k_bernoulli import ExactlyKBernoulli
 from pyro_constrained.linear_constrained_normal import LinearConstrainedNormal
 
-__all__ = ["ExactlyKBernoulli", "LinearConstrainedNormal", "losses"]
+__all__ = ["ConditionedPoisson", "ExactlyKBernoulli", "LinearConstrainedNormal", "losses"]
 __version__ = "0.1.0"

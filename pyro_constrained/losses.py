@@ -15,6 +15,7 @@ from functools import singledispatch
 
 import torch
 
+from pyro_constrained.conditioned_poisson import ConditionedPoisson, _log_p_and_log1m_p
 from pyro_constrained.exactly_k_bernoulli import ExactlyKBernoulli
 
 
@@ -79,3 +80,52 @@ def _expected_l1_loss_linear_constrained_normal(
         -0.5 * (offset / std).square()
     ) + offset * torch.erf(offset / (math.sqrt(2) * std))
     return torch.where(spread, folded, offset.abs()).sum(-1)
+
+
+# ConditionedPoisson ------------------------------------------------------------------------
+# z_i ~ Binomial(k, p_i) marginally (MATH.md section 5, with the corrected L1 formula, not
+# the published one).
+
+
+def _binomial_pmf_and_cdf_at(dist: ConditionedPoisson, target: torch.Tensor):
+    """``Binomial(y_i; k, p_i)`` and its CDF ``F(y_i)`` at integer targets ``y``, by summing
+    the pmf over ``0..k``: differentiable in the rates."""
+    _, log_p, log1m_p = _log_p_and_log1m_p(dist.rate)
+    dtype = log_p.dtype
+    k_max = int(dist.k.max()) if dist.k.numel() else 0
+    j = torch.arange(k_max + 1, dtype=dtype, device=log_p.device)
+    k = dist.k.unsqueeze(-1).unsqueeze(-1)
+    in_range = j <= k
+    j_in_range = torch.minimum(j, k)
+    log_pmf = (
+        torch.lgamma(k + 1)
+        - torch.lgamma(j_in_range + 1)
+        - torch.lgamma(k - j_in_range + 1)
+        + j_in_range * log_p.unsqueeze(-1)
+        + (k - j_in_range) * log1m_p.unsqueeze(-1)
+    )
+    pmf = torch.where(in_range, log_pmf.exp(), 0.0)
+    y = target.unsqueeze(-1)
+    pmf, y = torch.broadcast_tensors(pmf, y)
+    pmf_at_y = torch.where(j == y, pmf, 0.0).sum(-1)
+    cdf_at_y = torch.where(j <= y, pmf, 0.0).sum(-1)
+    return pmf_at_y, cdf_at_y
+
+
+@expected_l1_loss.register
+def _(dist: ConditionedPoisson, target: torch.Tensor) -> torch.Tensor:
+    """``sum_i 2 (k - y_i) p_i Bin(y_i; k, p_i) + (k p_i - y_i)(1 - 2 F(y_i))``, ``F`` the
+    Binomial(k, p_i) CDF, for integer targets ``y``."""
+    target = torch.as_tensor(target, dtype=dist.rate.dtype, device=dist.rate.device)
+    p = dist.probs
+    k = dist.k.unsqueeze(-1)
+    pmf_at_y, cdf_at_y = _binomial_pmf_and_cdf_at(dist, target)
+    terms = 2 * (k - target) * p * pmf_at_y + (k * p - target) * (1 - 2 * cdf_at_y)
+    return terms.sum(-1)
+
+
+@expected_l2_loss.register
+def _(dist: ConditionedPoisson, target: torch.Tensor) -> torch.Tensor:
+    """``sum_i k p_i (1 - p_i) + (k p_i - y_i)^2``."""
+    target = torch.as_tensor(target, dtype=dist.rate.dtype, device=dist.rate.device)
+    return (dist.variance + (dist.mean - target) ** 2).sum(-1)

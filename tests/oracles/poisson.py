@@ -1,0 +1,126 @@
+"""References for ConditionedPoisson: independent Poissons conditioned on their sum.
+
+Two independent routes: SciPy's multinomial (the closed form ``Multinomial(k, rate/sum)``),
+and brute-force enumeration of every composition of ``k`` into ``n`` parts, weighted by the
+product of the unconstrained Poisson pmfs and renormalised (the definition of the
+conditional distribution, with no multinomial formula in it).
+"""
+
+import itertools
+
+import numpy as np
+from scipy import stats
+
+
+def compositions(n: int, k: int) -> np.ndarray:
+    """Every integer vector of length ``n`` with entries ``>= 0`` summing to ``k``, one a row."""
+    rows = [
+        np.diff(np.concatenate([[-1], bars, [n + k - 1]])) - 1
+        for bars in itertools.combinations(range(n + k - 1), n - 1)
+    ]
+    return np.array(rows, dtype=np.int64).reshape(-1, n)
+
+
+def conditioned_poisson_pmf(rate, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(compositions, pmf)``: ``prod_i Poisson(z_i; rate_i)`` over the compositions of ``k``,
+    normalised: ``P(z | sum z = k)`` by definition."""
+    rate = np.asarray(rate, dtype=np.float64)
+    support = compositions(rate.shape[-1], k)
+    log_weights = stats.poisson.logpmf(support, rate).sum(-1)
+    log_weights -= log_weights.max()
+    weights = np.exp(log_weights)
+    return support, weights / weights.sum()
+
+
+def multinomial_logpmf(rate, k, value) -> np.ndarray:
+    """SciPy's ``multinomial(k, rate / sum(rate)).logpmf(value)``, batched over leading axes."""
+    rate = np.asarray(rate, dtype=np.float64)
+    value = np.asarray(value, dtype=np.float64)
+    rate, value = np.broadcast_arrays(rate, value)
+    k = np.broadcast_to(np.asarray(k), rate.shape[:-1])
+    out = np.empty(rate.shape[:-1])
+    for index in np.ndindex(*rate.shape[:-1]):
+        p = rate[index] / rate[index].sum()
+        out[index] = stats.multinomial(int(k[index]), p).logpmf(value[index])
+    return out
+
+
+def multinomial_entropy(rate, k) -> np.ndarray:
+    """SciPy's ``multinomial(k, rate / sum(rate)).entropy()``, batched over leading axes."""
+    rate = np.asarray(rate, dtype=np.float64)
+    k = np.broadcast_to(np.asarray(k), rate.shape[:-1])
+    out = np.empty(rate.shape[:-1])
+    for index in np.ndindex(*rate.shape[:-1]):
+        p = rate[index] / rate[index].sum()
+        out[index] = stats.multinomial(int(k[index]), p).entropy()
+    return out
+
+
+def enumerated_entropy(rate, k: int) -> float:
+    _, pmf = conditioned_poisson_pmf(rate, k)
+    pmf = pmf[pmf > 0]
+    return float(-(pmf * np.log(pmf)).sum())
+
+
+def enumerated_kl(rate_p, rate_q, k: int) -> float:
+    """``sum_z p(z) log(p(z) / q(z))`` over all compositions."""
+    _, pmf_p = conditioned_poisson_pmf(rate_p, k)
+    _, pmf_q = conditioned_poisson_pmf(rate_q, k)
+    return float((pmf_p * (np.log(pmf_p) - np.log(pmf_q))).sum())
+
+
+def enumerated_expected_l1(rate, k: int, target) -> float:
+    support, pmf = conditioned_poisson_pmf(rate, k)
+    return float(pmf @ np.abs(support - np.asarray(target)).sum(-1))
+
+
+def enumerated_expected_l2(rate, k: int, target) -> float:
+    support, pmf = conditioned_poisson_pmf(rate, k)
+    return float(pmf @ ((support - np.asarray(target)) ** 2).sum(-1))
+
+
+def enumerated_mean_and_variance(rate, k: int) -> tuple[np.ndarray, np.ndarray]:
+    support, pmf = conditioned_poisson_pmf(rate, k)
+    mean = pmf @ support
+    return mean, pmf @ (support - mean) ** 2
+
+
+def composition_chi_square_pvalue(samples, rate, k: int, min_expected: float = 5.0) -> float:
+    """Chi-square goodness-of-fit p-value of sampled vectors against the enumerated pmf.
+
+    Outcomes with expected count below ``min_expected`` are pooled into one bin (with any
+    sample that is not a composition of ``k`` at all, which therefore fails the test).
+    """
+    samples = np.asarray(samples)
+    support, pmf = conditioned_poisson_pmf(rate, k)
+    index = {tuple(row): i for i, row in enumerate(support)}
+    observed = np.zeros(len(support) + 1)
+    for row in samples.reshape(-1, support.shape[1]):
+        observed[index.get(tuple(np.rint(row).astype(np.int64)), len(support))] += 1
+    return binned_chi_square_pvalue(observed, np.append(pmf, 0.0), min_expected)
+
+
+def binned_chi_square_pvalue(observed, probs, min_expected: float = 5.0) -> float:
+    """Chi-square p-value of ``observed`` counts against ``probs``, pooling the bins whose
+    expected count is below ``min_expected`` into one."""
+    observed = np.asarray(observed, dtype=np.float64)
+    expected = np.asarray(probs, dtype=np.float64) * observed.sum()
+    small = expected < min_expected
+    observed = np.append(observed[~small], observed[small].sum())
+    expected = np.append(expected[~small], expected[small].sum())
+    if expected[-1] == 0:
+        if observed[-1] > 0:
+            return 0.0
+        observed, expected = observed[:-1], expected[:-1]
+    expected *= observed.sum() / expected.sum()
+    return float(stats.chisquare(observed, expected).pvalue)
+
+
+def mean_jacobian(rate, k) -> np.ndarray:
+    """``d (k rate_i / sum rate) / d rate_j = k (delta_ij / S - rate_i / S^2)``, shape
+    ``batch + (n, n)`` (output index first)."""
+    rate = np.asarray(rate, dtype=np.float64)
+    total = rate.sum(-1)[..., None, None]
+    n = rate.shape[-1]
+    k = np.asarray(k, dtype=np.float64)[..., None, None]
+    return k * (np.eye(n) / total - rate[..., :, None] / total**2)
