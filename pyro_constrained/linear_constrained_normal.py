@@ -89,6 +89,10 @@ class AffineSubspaceTransform(Transform):
     Lebesgue (Hausdorff) measure on the subspace, the base measure of
     :class:`LinearConstrainedNormal`, is 0. The inverse ``z -> B^T (z - z0)`` is the
     orthogonal projection, so it also maps a point near the subspace to the nearest one.
+
+    Cost: the basis has n (n - a) entries and its QR costs O(n^2 a) once per transform; this
+    is the one place an n-by-n-sized object is formed (the distribution's own calls stay
+    O(n a)), which is fine at the sizes where AutoGuides and NUTS are used.
     """
 
     domain = constraints.real_vector
@@ -447,21 +451,49 @@ class LinearConstrainedNormal(TorchDistribution):
         if self._validate_args:
             self._validate_sample(value)
         log_prob = -0.5 * self._mahalanobis_from_mean(value) + self._log_normalizer
+        if self._validate_args:
+            # Validation raised unless every value is on the subspace: no mask needed.
+            return log_prob
         on_subspace = _on_subspace(value, self.A, self.k)
         return torch.where(on_subspace, log_prob, torch.full_like(log_prob, -math.inf))
 
     def _matheron_sample(self, sample_shape: torch.Size) -> torch.Tensor:
         shape = self._extended_shape(sample_shape)
         noise = _standard_normal(shape, dtype=self.loc.dtype, device=self.loc.device)
-        return self._matheron_from_noise(noise)
+        return self._matheron_from_noise(noise, overwrite_noise=True)
 
-    def _matheron_from_noise(self, noise: torch.Tensor) -> torch.Tensor:
-        """Matheron's rule applied to standard normal ``noise`` of shape (..., n)."""
-        if self._diagonal:
-            x = self.loc + self.scale * noise
-        else:
+    def _matheron_from_noise(
+        self, noise: torch.Tensor, overwrite_noise: bool = False
+    ) -> torch.Tensor:
+        """Matheron's rule applied to standard normal ``noise`` of shape (..., n).
+
+        Without autograd the diagonal case writes into its temporaries (and into ``noise``
+        when ``overwrite_noise``), with the same kernels, hence bit for bit the same result:
+        sampling is memory-bound, and the fewer (batch, n) buffers it allocates the closer
+        it stays to the cost of an unconstrained sample.
+        """
+        if not self._diagonal:
             x = self.loc + _rows_times(self.scale_tril, noise)
-        return x + _combine_rows(self.k - _rows_times(self.A, x), self._gain_t)
+            return x + _combine_rows(self.k - _rows_times(self.A, x), self._gain_t)
+        in_place = not torch.is_grad_enabled() or not any(
+            t.requires_grad for t in (self.loc, self.scale, self.A, self.k)
+        )
+        if (
+            in_place
+            and overwrite_noise
+            and noise.shape == torch.broadcast_shapes(noise.shape, self.loc.shape)
+        ):
+            x = torch.addcmul(self.loc, self.scale, noise, out=noise)
+        else:
+            x = torch.addcmul(self.loc, self.scale, noise)
+        residual = self.k - _rows_times(self.A, x)
+        # K r = Sigma A^T (S^{-1} r): an a x a solve per event and a product with A, which
+        # reads far less memory than the batched (..., a, n) gain K^T when A is shared.
+        coefficients = torch.cholesky_solve(residual.unsqueeze(-1), self._chol_s).squeeze(-1)
+        correction = _combine_rows(coefficients, self.A)
+        if in_place and correction.shape == x.shape:
+            return torch.addcmul(x, self._prior_variance, correction, out=correction)
+        return torch.addcmul(x, self._prior_variance, correction)
 
     def rsample(self, sample_shape: tuple[int, ...] = ()) -> torch.Tensor:
         """An exact sample; its gradient is the one chosen by ``grad_estimator``."""

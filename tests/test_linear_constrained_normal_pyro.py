@@ -3,8 +3,10 @@
 import math
 
 import numpy as np
+import pyro
 import pytest
 import torch
+from pyro import poutine
 from torch.distributions import biject_to, kl_divergence, transform_to
 
 from pyro_constrained import LinearConstrainedNormal
@@ -142,6 +144,22 @@ def test_large_n_with_diagonal_covariance_never_forms_n_by_n():
     assert torch.isfinite(dist.log_prob(z))
     assert (A @ z - 1).abs().max() < 1e-6
     assert torch.isfinite(expected_l1_loss(dist, dist.mean)) and dist.variance.shape == (n,)
+
+
+def test_a_site_inside_a_plate_is_expanded():
+    dist, params, cov, A, k = build("diag")
+
+    def model():
+        with pyro.plate("bags", 3):
+            return pyro.sample("z", dist)
+
+    trace = poutine.trace(model).get_trace()
+    trace.compute_log_prob()
+    site = trace.nodes["z"]
+    assert site["value"].shape == (3, 5) and site["log_prob"].shape == (3,)
+    np.testing.assert_allclose(
+        site["log_prob"].numpy(), oracle.logpdf(site["value"].numpy(), params["loc"], cov, A, k)
+    )
 
 
 # --- gradients ---------------------------------------------------------------------------
