@@ -1,0 +1,1 @@
+"""Timing scripts; each prints ratios against a reference measured in the same run."""

@@ -11,6 +11,7 @@ gradient, and the entropy is exact and fast.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -162,43 +163,61 @@ def _log_p_and_log1m_p(rate):
     return p, log_p, log1m_p
 
 
-def _expected_log_factorials(rate, k, k_max: int):
-    """``E[log z_i!]`` for ``z_i ~ Binomial(k, p_i)``, per coordinate.
+def _log_factorial_table(k_max: int, dtype):
+    """``log m!`` for ``m = 0..k_max`` in ``dtype``; ``log 0! = log 1! = 0`` exactly (JAX's
+    float32 ``gammaln(1)`` is not)."""
+    return gammaln(jnp.arange(k_max + 1, dtype=dtype) + 1).at[:2].set(0.0)
 
-    Sums over a window of outcomes around each mean that holds all but ``2 exp(-L)`` of the
-    mass (Bennett's inequality, `_bennett_deviation`); the rest are dropped, see
-    `_entropy_log_inverse_tail`. The window width must be static: from the largest variance
-    when ``rate`` and ``k`` are concrete, else from the bound ``k_max / 4``. ``log m!`` is
-    computed in ``rate``'s dtype.
+
+def _entropy_window(rate, k, k_max: int) -> tuple[int, int]:
+    """Half-width and width (static) of the window of binomial outcomes summed over.
+
+    A window ``[floor(mean) - half_width, floor(mean) + half_width + 1]`` clipped to
+    ``[0, k]`` holds every outcome within ``t`` of the mean, ``t`` from Bennett's
+    inequality (`_bennett_deviation`) at the largest variance in the batch when ``rate``
+    and ``k`` are concrete, else at the bound ``k p (1 - p) <= k_max / 4``.
     """
-    dtype = rate.dtype
-    p, log_p, log1m_p = _log_p_and_log1m_p(rate)
     n = rate.shape[-1]
-    k_event = jnp.broadcast_to(jnp.expand_dims(k, -1), p.shape).astype(jnp.result_type(int))
-    k_float = k_event.astype(dtype)
-    mean = lax.stop_gradient(k_float * p)
-    concrete = not_jax_tracer(mean) and not_jax_tracer(k_event)
+    eps = float(jnp.finfo(rate.dtype).eps)
+    log_inverse_tail = _entropy_log_inverse_tail(n, k_max, eps)
+    concrete = not_jax_tracer(rate) and not_jax_tracer(k) and rate.size > 0
     if concrete:
-        max_variance = float(np.max(np.asarray(mean * (1 - p)))) if mean.size else 0.0
+        rate_np = np.asarray(rate, dtype=np.float64)
+        p = rate_np / rate_np.sum(-1, keepdims=True)
+        k_np = np.broadcast_to(np.asarray(k)[..., None], p.shape)
+        mean = k_np * p
+        max_variance = float(np.max(mean * (1 - p)))
     else:
         max_variance = k_max / 4.0
-    log_inverse_tail = _entropy_log_inverse_tail(n, k_max, float(jnp.finfo(dtype).eps))
     # +1: floor(mean) may be off by one from the exact floor through rounding.
     half_width = math.ceil(_bennett_deviation(max_variance, log_inverse_tail)) + 1
-    floor_mean = jnp.floor(mean).astype(k_event.dtype)
-    first = jnp.maximum(floor_mean - half_width, 0)
-    if concrete and mean.size:
-        last = np.minimum(np.asarray(floor_mean) + half_width + 1, np.asarray(k_event))
-        width = int(np.max(last - np.asarray(first))) + 1
+    if concrete:
+        floor_mean = np.floor(mean)
+        first = np.maximum(floor_mean - half_width, 0)
+        last = np.minimum(floor_mean + half_width + 1, k_np)
+        width = int(np.max(last - first)) + 1
     else:
         width = 2 * half_width + 2
-    width = max(1, min(width, k_max + 1))
+    return half_width, max(1, min(width, k_max + 1))
+
+
+@partial(jax.jit, static_argnames=("k_max", "half_width", "width"))
+def _expected_log_factorials(rate, k, *, k_max: int, half_width: int, width: int):
+    """``E[log z_i!]`` for ``z_i ~ Binomial(k, p_i)``, per coordinate, over the outcome
+    windows of `_entropy_window`; the outcomes outside them are dropped, see
+    `_entropy_log_inverse_tail`. ``log m!`` is computed in ``rate``'s dtype."""
+    dtype = rate.dtype
+    p, log_p, log1m_p = _log_p_and_log1m_p(rate)
+    k_event = jnp.broadcast_to(jnp.expand_dims(k, -1), p.shape).astype(jnp.result_type(int))
+    k_float = k_event.astype(dtype)
+    floor_mean = jnp.floor(lax.stop_gradient(k_float * p)).astype(k_event.dtype)
+    first = jnp.maximum(floor_mean - half_width, 0)
     # A window running past k moves left, so that it holds no outcome beyond k if it can.
     first = jnp.minimum(first, jnp.maximum(k_event + 1 - width, 0))
     j = first[..., None] + jnp.arange(width, dtype=first.dtype)
     in_range = j <= k_event[..., None]
     j = jnp.minimum(j, k_event[..., None])
-    log_factorials = gammaln(jnp.arange(k_max + 1, dtype=dtype) + 1)
+    log_factorials = _log_factorial_table(k_max, dtype)
     log_factorial_j = log_factorials[j]
     j_float = j.astype(dtype)
     log_pmf = (
@@ -215,7 +234,39 @@ def _expected_log_factorials(rate, k, k_max: int):
     return jnp.where(p >= 1, log_factorials[k_event], expected)
 
 
-def _sample_counts_categorical(key, rate, k, k_max: int, sample_shape: tuple[int, ...]):
+def _log_factorial_of_total(k):
+    """``log k!`` for the (non-differentiable) total ``k``, exactly 0 for ``k <= 1``
+    (JAX's float32 ``gammaln(1)`` is not)."""
+    return jnp.where(k <= 1, 0.0, gammaln(k + 1))
+
+
+@jax.jit
+def _entropy_from_expected_log_factorials(rate, k, expected_log_factorials):
+    p, log_p, _ = _log_p_and_log1m_p(rate)
+    k = k.astype(rate.dtype)
+    cross_entropy_term = k * jnp.sum(p * log_p, axis=-1)
+    expected = jnp.sum(expected_log_factorials, axis=-1)
+    return expected - _log_factorial_of_total(k) - cross_entropy_term
+
+
+@jax.jit
+def _log_prob_and_support(rate, k, value):
+    """``log_prob`` (``-inf`` off the support) and the support indicator, one compiled call."""
+    in_support, _ = _is_integer_composition(value, k)
+    # gammaln(z + 1) at a negative integer is inf and its derivative NaN: evaluate there
+    # at 0 instead (those entries get -inf below). where, not maximum: maximum(z, 0)
+    # halves the gradient at z = 0.
+    value = jnp.where(value >= 0, value, 0.0)
+    log_p = jnp.log(rate) - jnp.log(jnp.sum(rate, axis=-1, keepdims=True))
+    k = k.astype(rate.dtype)
+    log_prob = (
+        _log_factorial_of_total(k) - jnp.sum(gammaln(value + 1), -1) + jnp.sum(value * log_p, -1)
+    )
+    return jnp.where(in_support, log_prob, -jnp.inf), in_support
+
+
+@partial(jax.jit, static_argnames=("k_max", "sample_shape"))
+def _sample_counts_categorical(key, rate, k, *, k_max: int, sample_shape: tuple[int, ...]):
     """Exact counts from ``k_max`` categorical draws per event, those past each event's own
     ``k`` masked out: inverse-CDF search (O(k log n)), not Gumbel-max (O(k n))."""
     dtype = rate.dtype
@@ -238,7 +289,8 @@ def _sample_counts_categorical(key, rate, k, k_max: int, sample_shape: tuple[int
     return counts.reshape(sample_shape + batch_shape + (n,))
 
 
-def _sample_counts_sequentially(key, rate, k, sample_shape: tuple[int, ...]):
+@partial(jax.jit, static_argnames=("sample_shape",))
+def _sample_counts_sequentially(key, rate, k, *, sample_shape: tuple[int, ...]):
     """``z_i ~ Binomial(k - z_1 - ... - z_{i-1}, rate_i / sum_{j >= i} rate_j)``, the last
     coordinate taking the remainder: O(n) binomial draws per event whatever k is, and no
     static bound on k needed (k may be traced)."""
@@ -385,7 +437,7 @@ class ConditionedPoisson(Distribution):
         (the count likelihood of a bag of known total)."""
         total = jnp.sum(self.rate, axis=-1)
         k = self._k_float
-        return k * jnp.log(total) - total - gammaln(k + 1)
+        return k * jnp.log(total) - total - _log_factorial_of_total(k)
 
     def log_prob(self, value):
         """``log k! - sum_i log z_i! + sum_i z_i log p_i``; ``-inf`` off the support (or a
@@ -397,20 +449,13 @@ class ConditionedPoisson(Distribution):
                 f"value of shape {value.shape} does not end in the event shape "
                 f"{self.event_shape} of ConditionedPoisson"
             )
-        in_support, _ = _is_integer_composition(value, self.k)
+        log_prob, in_support = _log_prob_and_support(self.rate, self.k, value)
         if self._validate_args and not_jax_tracer(in_support) and not bool(jnp.all(in_support)):
             raise ValueError(
                 "The value argument to ConditionedPoisson.log_prob must be vectors of "
                 f"integers >= 0 that sum to exactly k, got {value} with k = {self.k}"
             )
-        # gammaln(z + 1) at a negative integer is inf and its derivative NaN: evaluate there
-        # at 0 instead (those entries get -inf below). where, not maximum: maximum(z, 0)
-        # halves the gradient at z = 0.
-        value = jnp.where(value >= 0, value, 0.0)
-        log_p = jnp.log(self.rate) - jnp.log(jnp.sum(self.rate, axis=-1, keepdims=True))
-        k = self._k_float
-        log_prob = gammaln(k + 1) - jnp.sum(gammaln(value + 1), -1) + jnp.sum(value * log_p, -1)
-        return jnp.where(in_support, log_prob, -jnp.inf)
+        return log_prob
 
     def sample(self, key, sample_shape: tuple[int, ...] = ()):
         """An exact sample ``z`` returned as ``z + (m - stop_gradient(m))`` with ``m = k p``:
@@ -426,9 +471,11 @@ class ConditionedPoisson(Distribution):
             and self.k_max < SEQUENTIAL_BINOMIAL_MIN_K_PER_CATEGORY * n
             and math.prod(sample_shape + self.batch_shape) > 0
         ):
-            z = _sample_counts_categorical(key, rate, k, self.k_max, sample_shape)
+            z = _sample_counts_categorical(
+                key, rate, k, k_max=self.k_max, sample_shape=sample_shape
+            )
         else:
-            z = _sample_counts_sequentially(key, rate, k, sample_shape)
+            z = _sample_counts_sequentially(key, rate, k, sample_shape=sample_shape)
         m = jnp.broadcast_to(self.mean, z.shape)
         return z + (m - lax.stop_gradient(m))
 
@@ -446,12 +493,11 @@ class ConditionedPoisson(Distribution):
                 "ConditionedPoisson.entropy needs a static bound on k: pass k_max= when k is "
                 "traced (inside jit or vmap)"
             )
-        p, log_p, _ = _log_p_and_log1m_p(self.rate)
-        k = self._k_float
-        expected_log_factorials = jnp.sum(
-            _expected_log_factorials(self.rate, self.k, self.k_max), axis=-1
+        half_width, width = _entropy_window(self.rate, self.k, self.k_max)
+        expected_log_factorials = _expected_log_factorials(
+            self.rate, self.k, k_max=self.k_max, half_width=half_width, width=width
         )
-        return expected_log_factorials - gammaln(k + 1) - k * jnp.sum(p * log_p, axis=-1)
+        return _entropy_from_expected_log_factorials(self.rate, self.k, expected_log_factorials)
 
 
 @vmap_over.register

@@ -11,7 +11,7 @@ below.
 """
 
 import math
-from functools import singledispatch
+from functools import partial, singledispatch
 
 import jax
 import jax.numpy as jnp
@@ -89,15 +89,23 @@ def _expected_l1_loss_linear_constrained_normal(
 # the published one).
 
 
-def _binomial_pmf_and_cdf_at(dist: ConditionedPoisson, target):
+@partial(jax.jit, static_argnames=("k_max",))
+def _poisson_expected_l1(rate, k, target, *, k_max: int):
+    """``sum_i 2 (k - y_i) p_i Bin(y_i; k, p_i) + (k p_i - y_i)(1 - 2 F(y_i))``."""
+    p = rate / jnp.sum(rate, axis=-1, keepdims=True)
+    k = k.astype(rate.dtype)[..., None]
+    pmf_at_y, cdf_at_y = _binomial_pmf_and_cdf_at(rate, k, target, k_max)
+    terms = 2 * (k - target) * p * pmf_at_y + (k * p - target) * (1 - 2 * cdf_at_y)
+    return jnp.sum(terms, -1)
+
+
+def _binomial_pmf_and_cdf_at(rate, k, target, k_max: int):
     """``Binomial(y_i; k, p_i)`` and its CDF ``F(y_i)`` at integer targets ``y``, by summing
-    the pmf over ``0..k``: differentiable in the rates. Needs a static bound ``k_max``."""
-    if dist.k_max is None:
-        raise ValueError("the expected L1 loss of ConditionedPoisson needs k_max when k is traced")
-    _, log_p, log1m_p = _log_p_and_log1m_p(dist.rate)
+    the pmf over ``0..k_max``: differentiable in the rates."""
+    _, log_p, log1m_p = _log_p_and_log1m_p(rate)
     dtype = log_p.dtype
-    j = jnp.arange(dist.k_max + 1, dtype=dtype)
-    k = dist.k.astype(dtype)[..., None, None]
+    j = jnp.arange(k_max + 1, dtype=dtype)
+    k = k[..., None]
     in_range = j <= k
     j_in_range = jnp.minimum(j, k)
     log_pmf = (
@@ -118,12 +126,10 @@ def _binomial_pmf_and_cdf_at(dist: ConditionedPoisson, target):
 def _(dist: ConditionedPoisson, target) -> jax.Array:
     """``sum_i 2 (k - y_i) p_i Bin(y_i; k, p_i) + (k p_i - y_i)(1 - 2 F(y_i))``, ``F`` the
     Binomial(k, p_i) CDF, for integer targets ``y``."""
+    if dist.k_max is None:
+        raise ValueError("the expected L1 loss of ConditionedPoisson needs k_max when k is traced")
     target = jnp.asarray(target, dtype=dist.rate.dtype)
-    p = dist.probs
-    k = dist.k.astype(p.dtype)[..., None]
-    pmf_at_y, cdf_at_y = _binomial_pmf_and_cdf_at(dist, target)
-    terms = 2 * (k - target) * p * pmf_at_y + (k * p - target) * (1 - 2 * cdf_at_y)
-    return jnp.sum(terms, -1)
+    return _poisson_expected_l1(dist.rate, dist.k, target, k_max=dist.k_max)
 
 
 @expected_l2_loss.register

@@ -205,7 +205,10 @@ def _expected_log_factorials(rate: torch.Tensor, k: torch.Tensor) -> torch.Tenso
     k_float = k_event.to(dtype)
     first_float = first.to(dtype)
     start = log_factorials[k_event] + first_float * log_p + (k_float - first_float) * log1m_p
-    # log(p / (1-p)) is huge where p == 1; those coordinates are overwritten below.
+    # Where p == 1 the window may hold only zero-probability outcomes (0 / 0 below, a NaN
+    # gradient even though the value is overwritten): give those coordinates a harmless
+    # stand-in, and log(p / (1-p)), huge there, too.
+    start = torch.where(is_certain, 0.0, start)
     log_odds = torch.where(is_certain, 0.0, log_p - log1m_p)
     log_pmf = torch.addcmul(start.unsqueeze(-1), steps, log_odds.unsqueeze(-1)) - g
     pmf = log_pmf.exp()
@@ -451,7 +454,7 @@ class ConditionedPoisson(TorchDistribution):
         around each mean; the dropped terms total at most ``0.01`` times the machine epsilon
         of ``rate``'s dtype (absolute), see `_entropy_log_inverse_tail`. ``log m!`` is computed in
         ``rate``'s dtype. Cost O(n w) per batch element with ``w <= k + 1`` the window width
-        (about 15 for ``k = 100`` spread over ``n = 1000`` categories).
+        (about 20 for ``k = 100`` spread over ``n = 1000`` categories).
         """
         p, log_p, _ = _log_p_and_log1m_p(self.rate)
         k = self._k_long

@@ -434,3 +434,14 @@ def test_svi_recovers_mixture_proportions_from_bags_of_known_totals():
     maximum_likelihood_from_true_counts = counts.sum(0) / totals.sum()
     np.testing.assert_allclose(learned, maximum_likelihood_from_true_counts, atol=0.03)
     np.testing.assert_allclose(learned, true_proportions, atol=0.06)
+
+
+def test_a_single_category_is_deterministic_with_finite_gradients():
+    # p == 1 makes log(1 - p) = -inf; the kernels must give exact values and no NaN.
+    rate = torch.tensor([[2.0], [0.5]], requires_grad=True)
+    d = ConditionedPoisson(rate, k=torch.tensor([0, 6]))
+    entropy = d.entropy()
+    log_prob = d.log_prob(torch.tensor([[0.0], [6.0]]))
+    assert entropy.tolist() == [0.0, 0.0] and log_prob.tolist() == [0.0, 0.0]
+    (entropy.sum() + log_prob.sum()).backward()
+    assert torch.isfinite(rate.grad).all()
