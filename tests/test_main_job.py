@@ -40,7 +40,7 @@ MAX_VIOLATION = {
 }
 MAX_ERROR = {
     "ExactlyKBernoulli": 0.1,  # relative L2 error of the regression coefficients
-    "LinearConstrainedNormal": 0.01,  # mean absolute charge error, charges are ~0.1 to 1
+    "LinearConstrainedNormal": 0.01,  # mean absolute charge error; charges are of order 0.1 to 0.5
     "ConditionedPoisson": 0.15,  # mean relative error of the per-type rates
 }
 
