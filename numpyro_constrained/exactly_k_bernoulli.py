@@ -142,26 +142,28 @@ class ExactlyKBernoulli(Distribution):
 
     def _check_k(self) -> int:
         """Checks k in 0..n and feasibility where the values are concrete (whatever
-        validate_args says: nothing is defined without them); returns ``k_max``."""
+        validate_args says: nothing is defined without them); returns ``k_max``.
+
+        ``k_max`` is rounded up to a power of two (at most n): it is a static argument of
+        the jitted kernels, and every new value would cost a compilation."""
         n = self.logits.shape[-1]
         if not _is_concrete(self.k):
             return n
         k = np.asarray(self.k)
         if k.size and (k.min() < 0 or k.max() > n):
             raise ValueError(f"k must be in 0..n = 0..{n}, got {np.unique(k).tolist()}")
-        if not k.size:
-            return 0
-        if not _is_concrete(self.logits):
-            return int(k.max())
-        logits = np.asarray(self.logits)
-        forced_on = (logits == np.inf).sum(-1)
-        forced_off = (logits == -np.inf).sum(-1)
-        if np.any((k < forced_on) | (k > n - forced_off)):
-            raise ValueError(
-                "logits make the constraint impossible: some batch element has more than k "
-                "logits equal to +inf (probs = 1) or more than n - k equal to -inf (probs = 0)"
-            )
-        return int((k - forced_on).max())
+        if _is_concrete(self.logits) and k.size:
+            logits = np.asarray(self.logits)
+            forced_on = (logits == np.inf).sum(-1)
+            forced_off = (logits == -np.inf).sum(-1)
+            if np.any((k < forced_on) | (k > n - forced_off)):
+                raise ValueError(
+                    "logits make the constraint impossible: some batch element has more than "
+                    "k logits equal to +inf (probs = 1) or more than n - k equal to -inf "
+                    "(probs = 0)"
+                )
+        largest = int(k.max()) if k.size else 0
+        return min(n, 1 << largest.bit_length())
 
     @constraints.dependent_property(is_discrete=True, event_dim=1)
     def support(self) -> KHot:
@@ -172,45 +174,16 @@ class ExactlyKBernoulli(Distribution):
         return jax.nn.sigmoid(self.logits)
 
     @property
-    def _forced_on(self) -> jax.Array:
-        return self.logits == jnp.inf
-
-    @property
-    def _finite(self) -> jax.Array:
-        return jnp.isfinite(self.logits)
-
-    @property
-    def _k_free(self) -> jax.Array:
-        """k minus the number of variables forced on: the count among the free ones."""
-        return self.k - self._forced_on.sum(-1).astype(self.k.dtype)
-
-    @property
-    def _kernel_logits(self) -> jax.Array:
-        """The logits with forced-on variables removed (set to -inf), as the kernels want."""
-        return jnp.where(self._forced_on, -jnp.inf, self.logits)
-
-    @property
-    def _finite_logits(self) -> jax.Array:
-        return jnp.where(self._finite, self.logits, 0.0)
-
-    @property
     def _log_normalizer(self) -> jax.Array:
         """log e_{k_free}(exp logits) over the finite logits."""
-        return kernels.log_normalizer(self._kernel_logits, self._k_free, self._k_max)
-
-    def _complete_marginals(self, free_marginals: jax.Array) -> jax.Array:
-        # Deterministic entries get exact 0 / 1 (and zero gradient, which is their derivative).
-        free = self._finite
-        num_free = free.sum(-1)
-        mu = jnp.where((self._k_free == num_free)[..., None], 1.0, free_marginals)
-        mu = jnp.where((self._k_free == 0)[..., None], 0.0, mu)
-        return jnp.where(free, mu, jnp.where(self._forced_on, 1.0, 0.0)).astype(self.logits.dtype)
+        return kernels.log_normalizer(*_free_problem(self.logits, self.k), self._k_max)
 
     @property
     def _marginal_probs(self) -> jax.Array:
         """mu_i = P(z_i = 1 | sum z = k), differentiable in the logits."""
-        free = kernels.marginals(self._kernel_logits, self._k_free, self._k_max)
-        return self._complete_marginals(free)
+        kernel_logits, k_free = _free_problem(self.logits, self.k)
+        free_mu = kernels.marginals(kernel_logits, k_free, self._k_max)
+        return _complete_marginals(free_mu, self.logits, k_free)
 
     @property
     def mean(self) -> jax.Array:
@@ -231,46 +204,39 @@ class ExactlyKBernoulli(Distribution):
     def mode(self) -> jax.Array:
         """The most likely k-hot vector: ones at the k largest logits (ties go to the lower
         index)."""
-        order = jnp.argsort(-self.logits, axis=-1, stable=True)
-        ranks = jnp.argsort(order, axis=-1, stable=True)
-        return (ranks < self.k[..., None]).astype(self.logits.dtype)
+        return _mode(self.logits, self.k)
 
     def log_prob(self, value) -> jax.Array:
         """``theta . z - log e_k(exp theta)`` for k-hot ``z`` (counting measure). Outside the
         support: ``ValueError`` with validation on and a concrete value, else ``-inf``.
         Differentiable in ``value`` too, so a straight-through sample passes its gradient on."""
-        value = jnp.asarray(value)
-        in_support = self.support(value)
+        log_prob, in_support = _log_prob(
+            self.logits, self.k, jnp.asarray(value), self._log_normalizer
+        )
         if self._validate_args and not_jax_tracer(in_support) and not np.all(in_support):
             raise ValueError(
                 "ExactlyKBernoulli.log_prob: value is not a k-hot vector with the distribution's "
                 f"k (support {self.support})"
             )
-        on = value == 1
-        possible = in_support & ~jnp.any(on & (self.logits == -jnp.inf), axis=-1)
-        possible = possible & ~jnp.any(~on & self._forced_on, axis=-1)
-        score = (self._finite_logits * value).sum(-1) - self._log_normalizer
-        return jnp.where(possible, score, -jnp.inf)
+        return log_prob
 
     def sample(self, key, sample_shape=()) -> jax.Array:
         """An exact draw ``z`` (0.0 / 1.0 entries summing to k) carrying the straight-through
         marginal gradient ``z + (mu - stop_gradient(mu))``; its value is exactly ``z``."""
-        z, free = kernels.sample_and_marginals(
-            key, self._kernel_logits, self._k_free, self._k_max, tuple(sample_shape)
+        kernel_logits, k_free = _free_problem(self.logits, self.k)
+        z, free_mu = kernels.sample_and_marginals(
+            key, kernel_logits, k_free, self._k_max, tuple(sample_shape)
         )
-        z = jnp.where(self._forced_on, 1.0, lax.stop_gradient(z)).astype(self.logits.dtype)
-        mu = self._complete_marginals(free)
-        return z + (mu - lax.stop_gradient(mu))
+        return _straight_through(z, free_mu, self.logits, k_free)
 
     def entropy(self) -> jax.Array:
         """``H = log e_k(exp theta) - theta . mu`` (over the finite logits)."""
-        return self._log_normalizer - (self._finite_logits * self._marginal_probs).sum(-1)
+        return _entropy(self.logits, self._log_normalizer, self._marginal_probs)
 
     def log_constraint_prob(self) -> jax.Array:
         """``log P(sum z = k)`` under the unconstrained Bernoullis (Poisson-binomial pmf):
         ``log e_k(exp theta) - sum_i softplus(theta_i)``, shape ``batch``."""
-        softplus = jnp.where(self._finite, _softplus(self._finite_logits), 0.0)
-        return self._log_normalizer - softplus.sum(-1)
+        return _log_constraint_prob(self.logits, self._log_normalizer)
 
     def expand(self, batch_shape) -> "ExactlyKBernoulli":
         batch_shape = tuple(batch_shape)
@@ -309,10 +275,77 @@ def _kl_exactly_k_bernoulli(p: ExactlyKBernoulli, q: ExactlyKBernoulli) -> jax.A
         raise ValueError(f"KL needs the same n, got {p.event_shape[0]} and {q.event_shape[0]}")
     if _is_concrete(p.k, q.k) and not np.array_equal(*np.broadcast_arrays(p.k, q.k)):
         raise ValueError("KL between ExactlyKBernoulli needs the same k")
-    mu = p._marginal_probs
-    cross = (mu * q._finite_logits).sum(-1)
-    own = (mu * p._finite_logits).sum(-1)
-    kl = own - cross - p._log_normalizer + q._log_normalizer
-    forbidden = q.logits == -jnp.inf
-    escapes = jnp.any((mu > 0) & forbidden, axis=-1) | jnp.any((mu < 1) & q._forced_on, axis=-1)
+    return _kl(p.logits, p._marginal_probs, p._log_normalizer, q.logits, q._log_normalizer)
+
+
+# The distribution's glue around the kernels, as small jitted pure functions: in eager use
+# every JAX operation compiles once per shape, and one compilation for a dozen operations
+# is about ten times cheaper. The kernels stay separate calls so that their (larger)
+# compilations are shared between the methods.
+
+
+@jax.jit
+def _free_problem(logits: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The kernels' problem: forced-on variables set to -inf and subtracted from k."""
+    forced_on = logits == jnp.inf
+    return jnp.where(forced_on, -jnp.inf, logits), k - forced_on.sum(-1).astype(k.dtype)
+
+
+def _finite_part(logits: jax.Array) -> jax.Array:
+    return jnp.where(jnp.isfinite(logits), logits, 0.0)
+
+
+@jax.jit
+def _complete_marginals(free_mu: jax.Array, logits: jax.Array, k_free: jax.Array) -> jax.Array:
+    # Deterministic entries get exact 0 / 1 (and zero gradient, which is their derivative).
+    free = jnp.isfinite(logits)
+    mu = jnp.where((k_free == free.sum(-1))[..., None], 1.0, free_mu)
+    mu = jnp.where((k_free == 0)[..., None], 0.0, mu)
+    return jnp.where(free, mu, jnp.where(logits == jnp.inf, 1.0, 0.0)).astype(logits.dtype)
+
+
+@jax.jit
+def _straight_through(z, free_mu, logits, k_free) -> jax.Array:
+    z = jnp.where(logits == jnp.inf, 1.0, lax.stop_gradient(z)).astype(logits.dtype)
+    mu = _complete_marginals(free_mu, logits, k_free)
+    return z + (mu - lax.stop_gradient(mu))
+
+
+@jax.jit
+def _mode(logits: jax.Array, k: jax.Array) -> jax.Array:
+    order = jnp.argsort(-logits, axis=-1, stable=True)
+    ranks = jnp.argsort(order, axis=-1, stable=True)
+    return (ranks < k[..., None]).astype(logits.dtype)
+
+
+@jax.jit
+def _log_prob(logits, k, value, log_normalizer) -> tuple[jax.Array, jax.Array]:
+    """(log_prob, value is k-hot)."""
+    in_support = KHot(k)(value)
+    on = value == 1
+    possible = in_support & ~jnp.any(on & (logits == -jnp.inf), axis=-1)
+    possible = possible & ~jnp.any(~on & (logits == jnp.inf), axis=-1)
+    score = (_finite_part(logits) * value).sum(-1) - log_normalizer
+    return jnp.where(possible, score, -jnp.inf), in_support
+
+
+@jax.jit
+def _entropy(logits, log_normalizer, mu) -> jax.Array:
+    return log_normalizer - (_finite_part(logits) * mu).sum(-1)
+
+
+@jax.jit
+def _log_constraint_prob(logits, log_normalizer) -> jax.Array:
+    softplus = jnp.where(jnp.isfinite(logits), _softplus(_finite_part(logits)), 0.0)
+    return log_normalizer - softplus.sum(-1)
+
+
+@jax.jit
+def _kl(p_logits, p_mu, p_log_normalizer, q_logits, q_log_normalizer) -> jax.Array:
+    cross = (p_mu * _finite_part(q_logits)).sum(-1)
+    own = (p_mu * _finite_part(p_logits)).sum(-1)
+    kl = own - cross - p_log_normalizer + q_log_normalizer
+    forbidden = q_logits == -jnp.inf
+    required = q_logits == jnp.inf
+    escapes = jnp.any((p_mu > 0) & forbidden, axis=-1) | jnp.any((p_mu < 1) & required, axis=-1)
     return jnp.where(escapes, jnp.inf, kl)

@@ -86,3 +86,26 @@ def log_constraint_prob(logits, k: int) -> float:
     """log P(sum z = k) for independent z_i ~ Bernoulli(sigmoid(logits_i)), by SciPy."""
     probs = special.expit(np.asarray(logits, dtype=np.float64))
     return float(stats.poisson_binom(probs).logpmf(k))
+
+
+def chi_square_pvalue(samples, logits, k: int, min_expected: float = 5.0) -> float:
+    """Pearson chi-square p-value of 0/1 sample rows against the enumerated pmf.
+
+    Subsets expected fewer than ``min_expected`` times are pooled into one bin (the
+    chi-square approximation needs it); a sample outside the support raises ValueError.
+    """
+    subsets, probs = exactly_k_pmf(logits, k)
+    index = {tuple(row): i for i, row in enumerate(subsets)}
+    counts = np.zeros(len(subsets))
+    for row in np.asarray(samples, dtype=np.float64):
+        if tuple(row) not in index:
+            raise ValueError(f"sample {row} is outside the support")
+        counts[index[tuple(row)]] += 1
+    expected = probs * counts.sum()
+    small = expected < min_expected
+    if small.any():
+        counts = np.append(counts[~small], counts[small].sum())
+        expected = np.append(expected[~small], expected[small].sum())
+    if len(counts) < 2:
+        return 1.0
+    return float(stats.chisquare(counts, expected).pvalue)
