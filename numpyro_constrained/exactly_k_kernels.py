@@ -56,7 +56,7 @@ from jax import lax
 _TILT_STEPS = 6
 # Widths up to this are convolved by an unrolled shift-and-add (fused by XLA); wider ones by
 # a fori_loop over the shifts, so compile time does not grow with k_max.
-_UNROLL_WIDTH = 16
+_UNROLL_WIDTH = 2
 
 
 def tilt(logits: jax.Array, k: jax.Array) -> jax.Array:
@@ -203,10 +203,12 @@ def _downward(root_width: int, levels, k: jax.Array, dtype) -> jax.Array:
     """Outside tables of the leaves, (batch, n, width of a leaf), up to a factor per leaf."""
     outside = jax.nn.one_hot(k, root_width, dtype=dtype)[:, None, :]
     for left, right, padded in reversed(levels):
-        batch, nodes, w_left = left.shape
-        outside_left, _ = _rescale(_correlate(outside, right, w_left))
-        outside_right, _ = _rescale(_correlate(outside, left, right.shape[-1]))
-        outside = jnp.stack([outside_left, outside_right], axis=2).reshape(batch, 2 * nodes, -1)
+        batch, nodes, width = left.shape
+        # Both children at once: the left one's sibling is `right` and vice versa.
+        siblings = jnp.stack([right, left], axis=2)
+        both = jnp.broadcast_to(outside[:, :, None], (batch, nodes, 2, outside.shape[-1]))
+        outside, _ = _rescale(_correlate(both, siblings, width))
+        outside = outside.reshape(batch, 2 * nodes, width)
         if padded:
             outside = outside[:, :-1]
     return outside
@@ -277,8 +279,12 @@ def marginals(logits: jax.Array, k: jax.Array, k_max: int) -> jax.Array:
 def _draw(key: jax.Array, root_k: jax.Array, levels, num_samples: int) -> jax.Array:
     """Counts of ones per leaf, (num_samples, batch, n), top-down from root counts (batch,)."""
     counts = jnp.broadcast_to(root_k, (num_samples,) + root_k.shape)[..., None]
-    keys = jax.random.split(key, max(len(levels), 1))
-    for level_key, (left, right, padded) in zip(keys, reversed(levels), strict=False):
+    # One uniform per split, drawn at once: a random call per level multiplies compile time.
+    num_splits = sum(left.shape[1] for left, _, _ in levels)
+    dtype = levels[0][0].dtype if levels else jnp.float32
+    uniforms = jax.random.uniform(key, counts.shape[:-1] + (num_splits,), dtype=dtype)
+    used = 0
+    for left, right, padded in reversed(levels):
         w_left, w_right = left.shape[-1], right.shape[-1]
         rest = counts[..., None] - jnp.arange(w_left, dtype=counts.dtype)  # right's share
         possible = (rest >= 0) & (rest < w_right)
@@ -289,7 +295,8 @@ def _draw(key: jax.Array, root_k: jax.Array, levels, num_samples: int) -> jax.Ar
         )
         weight = jnp.where(possible, left * right_at_rest, 0.0)
         cumulative = jnp.cumsum(weight, axis=-1)
-        uniform = jax.random.uniform(level_key, counts.shape + (1,), dtype=weight.dtype)
+        uniform = uniforms[..., used : used + counts.shape[-1], None]
+        used += counts.shape[-1]
         ones_left = (cumulative <= uniform * cumulative[..., -1:]).sum(-1, dtype=counts.dtype)
         # Rounding can put u * total at the total: never pick a split of weight zero.
         last_possible = w_left - 1 - jnp.argmax(jnp.flip(weight > 0, -1), axis=-1)

@@ -188,10 +188,12 @@ def _downward(root_width: int, levels, k: torch.Tensor, dtype) -> torch.Tensor:
     """Outside tables of the leaves, (batch, n, width of a leaf), up to a factor per leaf."""
     outside = F.one_hot(k.long(), root_width).to(dtype)[:, None, :]
     for left, right, padded in reversed(levels):
-        batch, nodes, w_left = left.shape
-        outside_left, _ = _rescale(_correlate(outside, right, w_left))
-        outside_right, _ = _rescale(_correlate(outside, left, right.shape[-1]))
-        outside = torch.stack([outside_left, outside_right], dim=2).reshape(batch, 2 * nodes, -1)
+        batch, nodes, width = left.shape
+        # Both children at once: the left one's sibling is `right` and vice versa.
+        siblings = torch.stack([right, left], dim=2)
+        both = outside[:, :, None].expand(batch, nodes, 2, outside.shape[-1])
+        outside, _ = _rescale(_correlate(both, siblings, width))
+        outside = outside.reshape(batch, 2 * nodes, width)
         if padded:
             outside = outside[:, :-1]
     return outside
