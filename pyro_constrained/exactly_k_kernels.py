@@ -48,6 +48,9 @@ import torch
 import torch.nn.functional as F
 
 _TILT_STEPS = 6
+# float64 tables up to this width are convolved by shifting and adding, wider ones as
+# matrix-vector products (float32 ones always by oneDNN's grouped conv1d).
+_SHIFT_WIDTH = 8
 
 
 def tilt(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -105,7 +108,12 @@ def _convolve(left: torch.Tensor, right: torch.Tensor, width: int) -> torch.Tens
         signal = F.pad(left.reshape(1, groups, w_left), (w_right - 1, width - w_left))
         kernel = right.flip(-1).reshape(groups, 1, w_right)
         return F.conv1d(signal, kernel, groups=groups).reshape(nodes + (width,))
-    # float64 grouped convolutions are slow on CPU: shift and add instead.
+    if w_left > _SHIFT_WIDTH:
+        # float64 grouped convolutions are slow on CPU; a batched matrix-vector product with
+        # the Toeplitz windows of `right` (a strided view) is several times faster.
+        padded = F.pad(right, (w_left - 1, max(0, width - w_right)))
+        windows = padded.unfold(-1, w_left, 1)[..., :width, :]
+        return (windows @ left.flip(-1).unsqueeze(-1)).squeeze(-1)
     out = left.new_zeros(nodes + (width,))
     for a in range(w_left):
         span = min(w_right, width - a)
@@ -124,6 +132,10 @@ def _correlate(outside: torch.Tensor, right: torch.Tensor, width: int) -> torch.
         signal = F.pad(outside.reshape(1, groups, w_out), (0, width + w_right - 1 - w_out))
         kernel = right.reshape(groups, 1, w_right)
         return F.conv1d(signal, kernel, groups=groups).reshape(nodes + (width,))
+    if w_right > _SHIFT_WIDTH:
+        padded = F.pad(outside, (0, width + w_right - 1 - w_out))
+        windows = padded.unfold(-1, w_right, 1)[..., :width, :]
+        return (windows @ right.unsqueeze(-1)).squeeze(-1)
     out = outside.new_zeros(nodes + (width,))
     for b in range(w_right):
         span = min(width, w_out - b)
