@@ -7,16 +7,44 @@ only these functions; ``+inf`` logits and feasibility are handled by the caller.
 work under ``jax.jit``, ``jax.vmap`` and ``jax.grad``, and are jitted themselves (``k_max`` and
 ``sample_shape`` static) so that eager calls compile once per shape.
 
-This version is sequential (``lax.scan`` over the n variables, O(n k_max) work). The table
-it builds is the Poisson-binomial pmf of the *tilted* Bernoullis, in log space,
+Method (SIMPLE Algorithms 4 and 5, in scaled linear space; the same as
+``pyro_constrained.exactly_k_kernels``):
 
-    T[i, j] = log P(z_1 + ... + z_i = j),   z_l ~ Bernoulli(sigmoid(logits_l + c)),
+* Tilt: add a constant c (no gradient) so that the tilted Bernoullis
+  ``z_i ~ Bernoulli(sigmoid(x_i))``, ``x = logits + c``, have expected count about k.
+  This leaves the conditional distribution unchanged and puts the bulk of every table
+  near the entries that matter.
+* Upward pass: each leaf holds the table ``[1, exp(x_i)]`` (the polynomial
+  ``1 + exp(x_i) t``), each internal node the product of its children's polynomials
+  truncated at degree ``k_max`` (a truncated convolution): a binary tree of depth
+  ``ceil(log2 n)`` and O(n k_max) work. Every table is stored divided by its largest entry,
+  with the log of that factor kept aside, so nothing overflows; entries below
+  ``sqrt(tiny)`` times the largest one are set to zero, so every product of two stored
+  entries is a normal float (denormal arithmetic is up to 100x slower on CPUs, and such
+  entries are invisible at working precision next to the largest one). The root's entry k
+  is ``e_k(exp x)`` up to the kept factors:
 
-with the tilt ``c`` chosen so that the expected count is about k. Entries near j = k then
-stay near 0 whatever n is, so float32 keeps its relative precision (a table of
-``log e_j`` would reach magnitudes of sum(logits) and lose it). The normaliser follows from
+      log e_k(exp logits) = log root[k] + sum of kept log factors - k c.
 
-    log e_k(exp logits) = T[n, k] + sum_l softplus(logits_l + c) - k c.
+* Downward pass (inside-outside): the outside table of the root is the indicator of k; a
+  child's outside table is the correlation of its parent's outside table with its
+  sibling's table. At a leaf with outside table ``[o_0, o_1]``,
+
+      mu_i = exp(x_i) o_1 / (o_0 + exp(x_i) o_1),
+
+  a ratio of positive terms (no cancellation, so small marginals keep their relative
+  precision). Every outside table is again rescaled by its largest entry: the ratio does
+  not depend on it. The marginals are built from differentiable operations, so they can be
+  differentiated again (the straight-through gradient), and ``log_normalizer``'s
+  derivative is defined (``custom_jvp``) to be these marginals.
+* Sampling (SIMPLE Algorithm 5): the root holds k ones; a node holding c ones gives its
+  left child m of them with probability proportional to ``left[m] right[c - m]``, down to
+  the leaves.
+
+Convolutions are computed directly (sums of positive products: every entry keeps its
+relative precision). An FFT was measured while writing this module; it is faster for wide
+nodes but its rounding error is relative to a table's largest entry, which loses the small
+entries (see benchmarks/README.md).
 """
 
 from functools import partial
@@ -25,104 +53,277 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-_BISECTION_STEPS = 40  # the bracket shrinks 1e12-fold; the tilt need not be exact
-
-
-def _softplus(x: jax.Array) -> jax.Array:
-    # Exact (no linear threshold), with a custom JVP that is right at 0; relu(x) +
-    # log1p(exp(-|x|)) has a wrong autograd derivative at x = 0. Inputs here are finite.
-    return jax.nn.softplus(x)
-
-
-def _logaddexp(a: jax.Array, b: jax.Array) -> jax.Array:
-    """log(exp a + exp b), with first and second derivatives finite where a or b is -inf
-    (no intermediate is ever NaN, so no NaN leaks into derivatives through ``where``)."""
-    a_larger = a >= b
-    high = jnp.where(a_larger, a, b)
-    low = jnp.where(a_larger, b, a)
-    finite = high > -jnp.inf
-    high_safe = jnp.where(finite, high, 0.0)
-    gap = jnp.where(finite, low - high_safe, -jnp.inf)
-    return jnp.where(finite, high_safe + jnp.log1p(jnp.exp(gap)), high)
+_TILT_STEPS = 6
+# Widths up to this are convolved by an unrolled shift-and-add (fused by XLA); wider ones by
+# a fori_loop over the shifts, so compile time does not grow with k_max.
+_UNROLL_WIDTH = 2
 
 
 def tilt(logits: jax.Array, k: jax.Array) -> jax.Array:
     """A constant c per batch element (shape ``batch + (1,)``, under ``stop_gradient``) with
-    sum_i sigmoid(logits_i + c) ~= k, found by bisection on a bracket that provably holds it.
+    ``sum_i sigmoid(logits_i + c) ~= k``.
 
-    The target count is clamped to [1/2, m - 1/2] (m = number of finite logits), since the
+    Newton's method on ``g(c) = log f(c) - log(m - f(c))``, f the expected count and m the
+    number of finite logits: g is increasing and close to linear with slope 1 in both tails
+    (where Newton on f itself crawls), and exactly linear when m = 1. Steps that leave the
+    bracket ``[logit(t/m) - max x, logit(t/m) - min x]``, which provably holds the root,
+    are replaced by bisection. The target count t is clamped to [1/2, m - 1/2] because the
     exact solution is infinite for k = 0 and k = m; any finite c leaves the distribution
-    unchanged, so the clamp costs nothing.
+    unchanged, and the tables only need c roughly right.
     """
     logits = lax.stop_gradient(logits)
     dtype = logits.dtype
     finite = jnp.isfinite(logits)
-    num_finite = finite.sum(-1).astype(dtype)
-    target = jnp.minimum(jnp.maximum(k.astype(dtype), 0.5), num_finite - 0.5)
-    target = jnp.where(num_finite > 0, target, 0.0)
-    safe = jnp.where(finite, logits, 0.0)
-    largest = jnp.where(finite, logits, -jnp.inf).max(-1)
-    smallest = jnp.where(finite, logits, jnp.inf).min(-1)
+    num_finite = finite.sum(-1, keepdims=True).astype(dtype)
     m = jnp.maximum(num_finite, 1.0)
-    t = jnp.maximum(target, 0.25)  # only guards log(0) when m = 0
-    # sum sigmoid(x_i + c) <= m exp(max x + c) and >= m (1 - exp(-(min x + c))).
-    low = jnp.where(num_finite > 0, jnp.log(t / m) - largest, 0.0).astype(dtype)
-    high = jnp.where(
-        num_finite > 0, jnp.log(m / (m - jnp.minimum(t, m - 0.25))) - smallest, 0.0
-    ).astype(dtype)
+    target = jnp.minimum(jnp.maximum(jnp.asarray(k).astype(dtype)[..., None], 0.5), m - 0.5)
+    target = jnp.maximum(target, 0.25)  # m = 1: any c in a wide range will do
+    largest = logits.max(-1, keepdims=True)
+    smallest = jnp.where(finite, logits, jnp.inf).min(-1, keepdims=True)
+    goal = jnp.log(target) - jnp.log(m - target)
+    low = jnp.where(num_finite > 0, goal - largest, 0.0).astype(dtype)
+    high = jnp.where(num_finite > 0, goal - smallest, 0.0).astype(dtype)
 
-    def step(_, bracket):
-        low, high = bracket
-        middle = 0.5 * (low + high)
-        count = jnp.where(finite, jax.nn.sigmoid(safe + middle[..., None]), 0.0).sum(-1)
-        too_many = count > target
-        return jnp.where(too_many, low, middle), jnp.where(too_many, middle, high)
+    def step(_, state):
+        c, low, high = state
+        on = jax.nn.sigmoid(logits + c)
+        count_on = on.sum(-1, keepdims=True)
+        count_off = jnp.where(finite, jax.nn.sigmoid(-(logits + c)), 0.0).sum(-1, keepdims=True)
+        slope = (on * (1.0 - on)).sum(-1, keepdims=True)
+        g = jnp.log(count_on) - jnp.log(count_off)
+        too_many = g > goal
+        high = jnp.where(too_many, c, high)
+        low = jnp.where(too_many, low, c)
+        newton = c - (g - goal) / (slope * (1.0 / count_on + 1.0 / count_off))
+        inside = (newton >= low) & (newton <= high)  # False for NaN steps too
+        return jnp.where(inside, newton, 0.5 * (low + high)).astype(dtype), low, high
 
-    low, high = lax.fori_loop(0, _BISECTION_STEPS, step, (low, high))
-    return lax.stop_gradient(0.5 * (low + high))[..., None]
-
-
-def _tilted_log_probs(logits: jax.Array, k: jax.Array):
-    """(c, log p, log(1 - p), sum softplus) of the tilted Bernoullis; -inf logits give
-    log p = -inf and log(1 - p) = 0 with zero gradient."""
-    c = tilt(logits, k)
-    finite = jnp.isfinite(logits)
-    shifted = jnp.where(finite, logits, 0.0) + c
-    log_on = jnp.where(finite, -_softplus(-shifted), -jnp.inf)
-    log_off = jnp.where(finite, -_softplus(shifted), 0.0)
-    softplus_sum = jnp.where(finite, _softplus(shifted), 0.0).sum(-1)
-    return c[..., 0], log_on, log_off, softplus_sum
+    c, _, _ = lax.fori_loop(0, _TILT_STEPS, step, (0.5 * (low + high), low, high))
+    return lax.stop_gradient(c)
 
 
-def _tables(log_on: jax.Array, log_off: jax.Array, k_max: int) -> tuple[jax.Array, jax.Array]:
-    """(T[n], stacked [T[0], ..., T[n - 1]] of shape ``(n,) + batch + (k_max + 1,)``)."""
-    batch = log_on.shape[:-1]
-    first = jnp.full(batch + (k_max + 1,), -jnp.inf, dtype=log_on.dtype).at[..., 0].set(0.0)
-    minus_inf = jnp.full(batch + (1,), -jnp.inf, dtype=log_on.dtype)
+# ----------------------------------------------------------------------------------------
+# Truncated convolutions and correlations of many short tables at once.
 
-    def step(table, probs):
-        on, off = probs
-        one_more = jnp.concatenate([minus_inf, table[..., :-1]], axis=-1) + on[..., None]
-        return _logaddexp(table + off[..., None], one_more), table
 
-    probs = (jnp.moveaxis(log_on, -1, 0), jnp.moveaxis(log_off, -1, 0))
-    return lax.scan(step, first, probs)
+def _pad_last(x: jax.Array, before: int, after: int) -> jax.Array:
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(before, after)])
+
+
+def _convolve(left: jax.Array, right: jax.Array, width: int) -> jax.Array:
+    """out[..., j] = sum_a left[..., a] right[..., j - a] for j < width."""
+    left = left[..., :width]
+    w_left, w_right = left.shape[-1], right.shape[-1]
+    if w_left <= _UNROLL_WIDTH:
+        out = jnp.zeros(left.shape[:-1] + (width,), left.dtype)
+        for a in range(w_left):
+            span = min(w_right, width - a)
+            out = out + _pad_last(left[..., a : a + 1] * right[..., :span], a, width - a - span)
+        return out
+    # shifted[a][j] = right[j - a]: a window of right padded by `width` zeros on both sides.
+    padded = _pad_last(right[..., :width], width, width + max(0, width - w_right))
+
+    def add_shift(a, out):
+        shifted = lax.dynamic_slice_in_dim(padded, width - a, width, axis=-1)
+        return out + lax.dynamic_slice_in_dim(left, a, 1, axis=-1) * shifted
+
+    return lax.fori_loop(0, w_left, add_shift, jnp.zeros(left.shape[:-1] + (width,), left.dtype))
+
+
+def _correlate(outside: jax.Array, right: jax.Array, width: int) -> jax.Array:
+    """out[..., a] = sum_b outside[..., a + b] right[..., b] for a < width."""
+    w_right = right.shape[-1]
+    outside = outside[..., : width + w_right - 1]
+    padded = _pad_last(outside, 0, width + w_right - outside.shape[-1])
+    if w_right <= _UNROLL_WIDTH:
+        out = jnp.zeros(outside.shape[:-1] + (width,), outside.dtype)
+        for b in range(w_right):
+            out = out + padded[..., b : b + width] * right[..., b : b + 1]
+        return out
+
+    def add_shift(b, out):
+        window = lax.dynamic_slice_in_dim(padded, b, width, axis=-1)
+        return out + window * lax.dynamic_slice_in_dim(right, b, 1, axis=-1)
+
+    zeros = jnp.zeros(outside.shape[:-1] + (width,), outside.dtype)
+    return lax.fori_loop(0, w_right, add_shift, zeros)
+
+
+def _rescale(table: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(table / its largest entry, log of that entry) per node, with entries below
+    sqrt(tiny) of the largest set to zero (so products of two entries are never denormal).
+
+    The factor is under stop_gradient: every quantity computed from the tables is either
+    invariant to it (marginals, sampling) or adds it back explicitly (the normaliser).
+    """
+    info = jnp.finfo(table.dtype)
+    tiny = float(info.tiny)
+    largest = jnp.maximum(lax.stop_gradient(table).max(-1, keepdims=True), tiny)
+    table = jnp.where(table >= largest * tiny**0.5, table, 0.0) / largest
+    return table, jnp.log(largest[..., 0])
+
+
+def _leaves(x: jax.Array, k_max: int):
+    """Leaf tables ``[1, exp(x_i)]`` divided by their largest entry exp(max(x_i, 0)):
+    returns (``[exp(-max(x, 0)), exp(x - max(x, 0))]`` (unflushed), flushed tables truncated
+    at k_max, float64-or-wider sum of the log factors)."""
+    shift = jnp.maximum(lax.stop_gradient(x), 0.0)
+    weights = jnp.stack([jnp.exp(-shift), jnp.exp(x - shift)], axis=-1)
+    floor = float(jnp.finfo(x.dtype).tiny) ** 0.5
+    tables = jnp.where(weights >= floor, weights, 0.0)[..., : k_max + 1]
+    return weights, tables, shift.astype(_wide(x.dtype)).sum(-1)
+
+
+def _wide(dtype):
+    # The per-batch sums of log factors are accumulated in float64 when x64 is on: in
+    # float32 they can be large and nearly cancel against k c.
+    return jnp.promote_types(dtype, jnp.float64) if jax.config.jax_enable_x64 else dtype
+
+
+def _upward(tables: jax.Array, k_max: int):
+    """Merge pairs of nodes until one is left. ``tables``: (batch, nodes, width)."""
+    levels = []
+    log_scale = jnp.zeros(tables.shape[0], _wide(tables.dtype))
+    while tables.shape[1] > 1:
+        batch, nodes, width = tables.shape
+        padded = nodes % 2 == 1
+        if padded:  # pair the last node with the table of an empty set, [1, 0, ...]
+            empty = jnp.zeros((batch, 1, width), tables.dtype).at[..., 0].set(1.0)
+            tables = jnp.concatenate([tables, empty], axis=1)
+        pairs = tables.reshape(batch, -1, 2, width)
+        left, right = pairs[:, :, 0], pairs[:, :, 1]
+        merged = _convolve(left, right, min(2 * (width - 1), k_max) + 1)
+        tables, log_factor = _rescale(merged)
+        log_scale = log_scale + log_factor.astype(log_scale.dtype).sum(-1)
+        levels.append((left, right, padded))
+    return tables[:, 0], levels, log_scale
+
+
+def _downward(root_width: int, levels, k: jax.Array, dtype) -> jax.Array:
+    """Outside tables of the leaves, (batch, n, width of a leaf), up to a factor per leaf."""
+    outside = jax.nn.one_hot(k, root_width, dtype=dtype)[:, None, :]
+    for left, right, padded in reversed(levels):
+        batch, nodes, width = left.shape
+        # Both children at once: the left one's sibling is `right` and vice versa.
+        siblings = jnp.stack([right, left], axis=2)
+        both = jnp.broadcast_to(outside[:, :, None], (batch, nodes, 2, outside.shape[-1]))
+        outside, _ = _rescale(_correlate(both, siblings, width))
+        outside = outside.reshape(batch, 2 * nodes, width)
+        if padded:
+            outside = outside[:, :-1]
+    return outside
+
+
+def _prepare(logits: jax.Array, k: jax.Array, k_max: int):
+    """Flattened tilted inputs, leaf weights, and the upward pass."""
+    n = logits.shape[-1]
+    flat_logits = logits.reshape(-1, n)
+    flat_k = jnp.broadcast_to(jnp.asarray(k), logits.shape[:-1]).reshape(-1).astype(jnp.int32)
+    c = tilt(flat_logits, flat_k)
+    weights, leaf_tables, leaf_log_scale = _leaves(flat_logits + c, k_max)
+    root, levels, log_scale = _upward(leaf_tables, k_max)
+    return flat_k, c[:, 0], weights, root, levels, leaf_log_scale + log_scale
+
+
+def _log_normalizer_from(logits, flat_k, c, root, log_scale):
+    root_k = jnp.take_along_axis(root, flat_k[:, None], axis=-1)[:, 0]
+    rest = log_scale - flat_k.astype(log_scale.dtype) * c.astype(log_scale.dtype)
+    return (jnp.log(root_k) + rest.astype(logits.dtype)).reshape(logits.shape[:-1])
+
+
+def _marginals_from(flat_k, weights, root, levels) -> jax.Array:
+    outside = _downward(root.shape[-1], levels, flat_k, weights.dtype)
+    on = weights[..., 1] * outside[..., 1]
+    total = weights[..., 0] * outside[..., 0] + on
+    return on / jnp.maximum(total, jnp.finfo(total.dtype).tiny)
+
+
+@partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _log_normalizer(logits: jax.Array, k: jax.Array, k_max: int) -> jax.Array:
+    if k_max == 0:  # e_0 = 1
+        return jnp.zeros(logits.shape[:-1], logits.dtype)
+    flat_k, c, _, root, _, log_scale = _prepare(logits, k, k_max)
+    return _log_normalizer_from(logits, flat_k, c, root, log_scale)
+
+
+@_log_normalizer.defjvp
+def _log_normalizer_jvp(k_max, primals, tangents):
+    logits, k = primals
+    d_logits = tangents[0]
+    if k_max == 0:
+        zeros = jnp.zeros(logits.shape[:-1], logits.dtype)
+        return zeros, zeros
+    flat_k, c, weights, root, levels, log_scale = _prepare(logits, k, k_max)
+    value = _log_normalizer_from(logits, flat_k, c, root, log_scale)
+    mu = _marginals_from(flat_k, weights, root, levels).reshape(logits.shape)
+    return value, (mu * d_logits).sum(-1)
 
 
 @partial(jax.jit, static_argnames="k_max")
 def log_normalizer(logits: jax.Array, k: jax.Array, k_max: int) -> jax.Array:
-    """log e_k(exp logits), shape ``batch``; twice differentiable without NaN."""
-    k = jnp.asarray(k)
-    c, log_on, log_off, softplus_sum = _tilted_log_probs(logits, k)
-    table, _ = _tables(log_on, log_off, k_max)
-    log_pk = jnp.take_along_axis(table, k[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    return log_pk + softplus_sum - k.astype(logits.dtype) * c
+    """log e_k(exp logits), shape ``batch``; its derivative is ``marginals`` (differentiable
+    again, without NaN at ``-inf`` logits)."""
+    return _log_normalizer(logits, jnp.asarray(k), k_max)
 
 
 @partial(jax.jit, static_argnames="k_max")
 def marginals(logits: jax.Array, k: jax.Array, k_max: int) -> jax.Array:
-    """mu_i = P(z_i = 1 | sum z = k) = d log e_k / d logits_i, shape ``batch + (n,)``."""
-    return jax.grad(lambda x: log_normalizer(x, k, k_max).sum())(logits)
+    """mu_i = P(z_i = 1 | sum z = k) = d log e_k(exp logits) / d logits_i, shape
+    ``batch + (n,)``; differentiable again."""
+    if k_max == 0:
+        return jnp.zeros_like(logits)
+    flat_k, _, weights, root, levels, _ = _prepare(logits, jnp.asarray(k), k_max)
+    return _marginals_from(flat_k, weights, root, levels).reshape(logits.shape)
+
+
+def _draw(key: jax.Array, root_k: jax.Array, levels, num_samples: int) -> jax.Array:
+    """Counts of ones per leaf, (num_samples, batch, n), top-down from root counts (batch,)."""
+    counts = jnp.broadcast_to(root_k, (num_samples,) + root_k.shape)[..., None]
+    # One uniform per split, drawn at once: a random call per level multiplies compile time.
+    num_splits = sum(left.shape[1] for left, _, _ in levels)
+    dtype = levels[0][0].dtype if levels else jnp.float32
+    uniforms = jax.random.uniform(key, counts.shape[:-1] + (num_splits,), dtype=dtype)
+    used = 0
+    for left, right, padded in reversed(levels):
+        w_left, w_right = left.shape[-1], right.shape[-1]
+        rest = counts[..., None] - jnp.arange(w_left, dtype=counts.dtype)  # right's share
+        possible = (rest >= 0) & (rest < w_right)
+        right_at_rest = jnp.take_along_axis(
+            jnp.broadcast_to(right, (num_samples,) + right.shape),
+            jnp.clip(rest, 0, w_right - 1),
+            axis=-1,
+        )
+        weight = jnp.where(possible, left * right_at_rest, 0.0)
+        cumulative = jnp.cumsum(weight, axis=-1)
+        uniform = uniforms[..., used : used + counts.shape[-1], None]
+        used += counts.shape[-1]
+        ones_left = (cumulative <= uniform * cumulative[..., -1:]).sum(-1, dtype=counts.dtype)
+        # Rounding can put u * total at the total: never pick a split of weight zero.
+        last_possible = w_left - 1 - jnp.argmax(jnp.flip(weight > 0, -1), axis=-1)
+        ones_left = jnp.minimum(ones_left, last_possible.astype(counts.dtype))
+        counts = jnp.stack([ones_left, counts - ones_left], axis=-1)
+        counts = counts.reshape(counts.shape[:-2] + (-1,))
+        if padded:
+            counts = counts[..., :-1]
+    return counts
+
+
+def _sample_and_maybe_marginals(key, logits, k, k_max, sample_shape, with_marginals):
+    sample_shape = tuple(sample_shape)
+    out_shape = sample_shape + logits.shape
+    if k_max == 0:
+        return jnp.zeros(out_shape, logits.dtype), jnp.zeros_like(logits)
+    num_samples = 1
+    for size in sample_shape:
+        num_samples *= size
+    flat_k, _, weights, root, levels, _ = _prepare(logits, jnp.asarray(k), k_max)
+    detached = [(lax.stop_gradient(a), lax.stop_gradient(b), p) for a, b, p in levels]
+    counts = _draw(key, flat_k, detached, num_samples)
+    z = counts.astype(logits.dtype).reshape(out_shape)
+    mu = None
+    if with_marginals:
+        mu = _marginals_from(flat_k, weights, root, levels).reshape(logits.shape)
+    return z, mu
 
 
 @partial(jax.jit, static_argnames=("k_max", "sample_shape"))
@@ -130,46 +331,14 @@ def sample(
     key: jax.Array, logits: jax.Array, k: jax.Array, k_max: int, sample_shape: tuple = ()
 ) -> jax.Array:
     """Exact draws, shape ``sample_shape + batch + (n,)``, entries 0.0 / 1.0 summing to k.
-
-    SIMPLE Algorithm 2: from i = n down to 1 with j ones left to place,
-    P(z_i = 1) = exp(log p_i + T[i-1, j-1] - T[i, j]). No gradient.
-    """
+    No gradient."""
     logits = lax.stop_gradient(logits)
-    k = jnp.asarray(k)
-    _, log_on, log_off, _ = _tilted_log_probs(logits, k)
-    last, before = _tables(log_on, log_off, k_max)
-    after = jnp.concatenate([before[1:], last[None]], axis=0)
-    n = logits.shape[-1]
-    shape = tuple(sample_shape) + logits.shape[:-1]
-    uniforms = jax.random.uniform(key, (n,) + shape, dtype=logits.dtype)
-    left = jnp.broadcast_to(k.astype(jnp.int32), shape)
-
-    def step(left, inputs):
-        table_before, table_after, on, u = inputs
-        table_before = jnp.broadcast_to(table_before, shape + table_before.shape[-1:])
-        table_after = jnp.broadcast_to(table_after, shape + table_after.shape[-1:])
-        log_before = jnp.take_along_axis(
-            table_before, jnp.maximum(left - 1, 0)[..., None], axis=-1
-        )[..., 0]
-        log_before = jnp.where(left > 0, log_before, -jnp.inf)
-        log_after = jnp.take_along_axis(table_after, left[..., None], axis=-1)[..., 0]
-        # A state is reached only with positive probability, so log_after is finite; when
-        # z_i is forced the ratio is exactly 0 or exactly exp(0) = 1 (see _logaddexp).
-        is_on = u < jnp.exp(on + log_before - log_after)
-        return left - is_on.astype(jnp.int32), is_on.astype(logits.dtype)
-
-    _, z = lax.scan(
-        step, left, (before, after, jnp.moveaxis(log_on, -1, 0), uniforms), reverse=True
-    )
-    return jnp.moveaxis(z, 0, -1)
+    return _sample_and_maybe_marginals(key, logits, k, k_max, sample_shape, False)[0]
 
 
+@partial(jax.jit, static_argnames=("k_max", "sample_shape"))
 def sample_and_marginals(
     key: jax.Array, logits: jax.Array, k: jax.Array, k_max: int, sample_shape: tuple = ()
 ) -> tuple[jax.Array, jax.Array]:
-    """(sample(...), marginals(...)) for the straight-through sample. Not jitted itself, so
-    that it reuses the compilations of the two functions it calls."""
-    # stop_gradient outside the jitted sampler: a differentiated caller would otherwise make
-    # JAX linearise (and compile again) the whole sampler only to find no gradient in it.
-    z = sample(key, lax.stop_gradient(logits), k, k_max, sample_shape)
-    return z, marginals(logits, k, k_max)
+    """(sample(...), marginals(...)) from one upward pass (for the straight-through sample)."""
+    return _sample_and_maybe_marginals(key, logits, k, k_max, sample_shape, True)

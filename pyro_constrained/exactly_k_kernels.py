@@ -5,165 +5,328 @@ Pure functions of ``logits`` (shape ``batch + (n,)``, entries finite or ``-inf``
 Python int, ``max(k) <= k_max <= n``; tables are truncated at it). The distribution calls
 only these functions; ``+inf`` logits and feasibility are handled by the caller.
 
-This version is sequential (O(n k_max) work, O(n) depth). The table it builds is the
-Poisson-binomial pmf of the *tilted* Bernoullis, in log space,
+Method (SIMPLE Algorithms 4 and 5, in scaled linear space):
 
-    T[i, j] = log P(z_1 + ... + z_i = j),   z_l ~ Bernoulli(sigmoid(logits_l + c)),
+* Tilt: add a constant c (no gradient) so that the tilted Bernoullis
+  ``z_i ~ Bernoulli(sigmoid(x_i))``, ``x = logits + c``, have expected count about k.
+  This leaves the conditional distribution unchanged and puts the bulk of every table
+  near the entries that matter.
+* Upward pass: each leaf holds the table ``[1, exp(x_i)]`` (the polynomial
+  ``1 + exp(x_i) t``), each internal node the product of its children's polynomials
+  truncated at degree ``k_max`` (a truncated convolution): a binary tree of depth
+  ``ceil(log2 n)`` and O(n k_max) work. Every table is stored divided by its largest entry,
+  with the log of that factor kept aside, so nothing overflows; entries below
+  ``sqrt(tiny)`` times the largest one are set to zero, so every product of two stored
+  entries is a normal float (denormal arithmetic is up to 100x slower on CPUs, and such
+  entries are invisible at working precision next to the largest one). The root's entry k
+  is ``e_k(exp x)`` up to the kept factors:
 
-with the tilt ``c`` chosen so that the expected count is about k. Entries near j = k then
-stay near 0 whatever n is, so float32 keeps its relative precision (a table of
-``log e_j`` would reach magnitudes of sum(logits) and lose it). The normaliser follows from
+      log e_k(exp logits) = log root[k] + sum of kept log factors - k c.
 
-    log e_k(exp logits) = T[n, k] + sum_l softplus(logits_l + c) - k c.
+* Downward pass (inside-outside): the outside table of the root is the indicator of k; a
+  child's outside table is the correlation of its parent's outside table with its
+  sibling's table. At a leaf with outside table ``[o_0, o_1]``,
+
+      mu_i = exp(x_i) o_1 / (o_0 + exp(x_i) o_1),
+
+  a ratio of positive terms (no cancellation, so small marginals keep their relative
+  precision). Every outside table is again rescaled by its largest entry: the ratio does
+  not depend on it. The marginals are built from differentiable operations, so they can be
+  differentiated again (the straight-through gradient of ``rsample``), and
+  ``log_normalizer``'s gradient is defined to be these marginals.
+* Sampling (SIMPLE Algorithm 5): the root holds k ones; a node holding c ones gives its
+  left child m of them with probability proportional to ``left[m] right[c - m]``, down to
+  the leaves.
+
+Convolutions are computed directly (sums of positive products: every entry keeps its
+relative precision). An FFT was measured while writing this module; it is faster for wide
+nodes but its rounding error is relative to a table's largest entry, which loses the small
+entries (see benchmarks/README.md).
 """
 
 import torch
+import torch.nn.functional as F
 
-_BISECTION_STEPS = 40  # the bracket shrinks 1e12-fold; the tilt need not be exact
-
-
-def _softplus(x: torch.Tensor) -> torch.Tensor:
-    # F.softplus is the identity above a threshold (20 by default): off by up to 2e-9, not
-    # float64-exact. relu(x) + log1p(exp(-|x|)) is exact but its autograd derivative is
-    # wrong at x = 0 (the kinks of relu and |x| do not cancel there). logaddexp is exact,
-    # and its derivatives are right for the finite inputs it gets here.
-    return torch.logaddexp(x, torch.zeros_like(x))
-
-
-def _logaddexp(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """log(exp a + exp b), with first and second derivatives finite where a or b is -inf.
-
-    torch.logaddexp computes exp(a - b) in its backward pass, which is NaN when both are
-    -inf and makes second derivatives NaN; here no intermediate is ever NaN.
-    """
-    a_larger = a >= b
-    high = torch.where(a_larger, a, b)
-    low = torch.where(a_larger, b, a)
-    finite = high > -torch.inf
-    high_safe = torch.where(finite, high, torch.zeros_like(high))
-    gap = torch.where(finite, low - high_safe, torch.full_like(low, -torch.inf))
-    return torch.where(finite, high_safe + torch.log1p(torch.exp(gap)), high)
+_TILT_STEPS = 6
+# float64 tables up to this width are convolved by shifting and adding, wider ones as
+# matrix-vector products (float32 ones always by oneDNN's grouped conv1d).
+_SHIFT_WIDTH = 8
 
 
 def tilt(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """A constant c per batch element (shape ``batch + (1,)``, no gradient) with
-    sum_i sigmoid(logits_i + c) ~= k, found by bisection on a bracket that provably holds it.
+    ``sum_i sigmoid(logits_i + c) ~= k``.
 
-    The target count is clamped to [1/2, m - 1/2] (m = number of finite logits), since the
+    Newton's method on ``g(c) = log f(c) - log(m - f(c))``, f the expected count and m the
+    number of finite logits: g is increasing and close to linear with slope 1 in both tails
+    (where Newton on f itself crawls), and exactly linear when m = 1. Steps that leave the
+    bracket ``[logit(t/m) - max x, logit(t/m) - min x]``, which provably holds the root,
+    are replaced by bisection. The target count t is clamped to [1/2, m - 1/2] because the
     exact solution is infinite for k = 0 and k = m; any finite c leaves the distribution
-    unchanged, so the clamp costs nothing.
+    unchanged, and the tables only need c roughly right.
     """
     with torch.no_grad():
         logits = logits.detach()
         finite = torch.isfinite(logits)
-        num_finite = finite.sum(-1).to(logits.dtype)
-        target = torch.minimum(k.to(logits.dtype).clamp(min=0.5), num_finite - 0.5)
-        target = torch.where(num_finite > 0, target, torch.zeros_like(target))
-        safe = torch.where(finite, logits, torch.zeros_like(logits))
-        largest = torch.where(finite, logits, torch.full_like(logits, -torch.inf)).amax(-1)
-        smallest = torch.where(finite, logits, torch.full_like(logits, torch.inf)).amin(-1)
-        m = num_finite.clamp(min=1)
-        t = target.clamp(min=0.25)  # only guards log(0) when m = 0
-        # sum sigmoid(x_i + c) <= m exp(max x + c) and >= m (1 - exp(-(min x + c))).
-        low = torch.log(t / m) - largest
-        high = torch.log(m / (m - torch.minimum(t, m - 0.25))) - smallest
-        low = torch.where(num_finite > 0, low, torch.zeros_like(low))
-        high = torch.where(num_finite > 0, high, torch.zeros_like(high))
-        for _ in range(_BISECTION_STEPS):
-            middle = 0.5 * (low + high)
-            count = torch.where(finite, torch.sigmoid(safe + middle[..., None]), 0.0).sum(-1)
-            too_many = count > target
-            high = torch.where(too_many, middle, high)
-            low = torch.where(too_many, low, middle)
-        return (0.5 * (low + high))[..., None]
+        num_finite = finite.sum(-1, keepdim=True).to(logits.dtype)
+        m = num_finite.clamp(min=1.0)
+        target = torch.minimum(k.to(logits.dtype)[..., None].clamp(min=0.5), m - 0.5)
+        target = target.clamp(min=0.25)  # m = 1: any c in a wide range will do
+        largest = logits.amax(-1, keepdim=True)
+        smallest = torch.where(finite, logits, torch.inf).amin(-1, keepdim=True)
+        goal = torch.log(target) - torch.log(m - target)
+        low = torch.where(num_finite > 0, goal - largest, 0.0)
+        high = torch.where(num_finite > 0, goal - smallest, 0.0)
+        c = 0.5 * (low + high)
+        for _ in range(_TILT_STEPS):
+            on = torch.sigmoid(logits + c)
+            count_on = on.sum(-1, keepdim=True)
+            count_off = torch.where(finite, torch.sigmoid(-(logits + c)), 0.0).sum(-1, keepdim=True)
+            slope = (on * (1.0 - on)).sum(-1, keepdim=True)
+            g = torch.log(count_on) - torch.log(count_off)
+            too_many = g > goal
+            high = torch.where(too_many, c, high)
+            low = torch.where(too_many, low, c)
+            newton = c - (g - goal) / (slope * (1.0 / count_on + 1.0 / count_off))
+            inside = (newton >= low) & (newton <= high)  # False for NaN steps too
+            c = torch.where(inside, newton, 0.5 * (low + high))
+        return c
 
 
-def _tilted_log_probs(logits: torch.Tensor, k: torch.Tensor):
-    """(c, log p, log(1 - p), sum softplus) of the tilted Bernoullis; -inf logits give
-    log p = -inf and log(1 - p) = 0 with zero gradient."""
-    c = tilt(logits, k)
-    finite = torch.isfinite(logits)
-    shifted = torch.where(finite, logits, torch.zeros_like(logits)) + c
-    log_on = torch.where(finite, -_softplus(-shifted), torch.full_like(shifted, -torch.inf))
-    log_off = torch.where(finite, -_softplus(shifted), torch.zeros_like(shifted))
-    softplus_sum = torch.where(finite, _softplus(shifted), torch.zeros_like(shifted)).sum(-1)
-    return c[..., 0], log_on, log_off, softplus_sum
+# ----------------------------------------------------------------------------------------
+# Truncated convolutions and correlations of many short tables at once.
 
 
-def _tables(log_on: torch.Tensor, log_off: torch.Tensor, k_max: int) -> list[torch.Tensor]:
-    """[T[0], ..., T[n]], each of shape ``batch + (k_max + 1,)``."""
-    batch = log_on.shape[:-1]
-    table = torch.full(batch + (k_max + 1,), -torch.inf, dtype=log_on.dtype, device=log_on.device)
-    table[..., 0] = 0.0
-    tables = [table]
-    minus_inf = torch.full(batch + (1,), -torch.inf, dtype=log_on.dtype, device=log_on.device)
-    for i in range(log_on.shape[-1]):
-        one_more = torch.cat([minus_inf, table[..., :-1]], dim=-1) + log_on[..., i : i + 1]
-        table = _logaddexp(table + log_off[..., i : i + 1], one_more)
-        tables.append(table)
-    return tables
+def _convolve(left: torch.Tensor, right: torch.Tensor, width: int) -> torch.Tensor:
+    """out[..., j] = sum_a left[..., a] right[..., j - a] for j < width."""
+    nodes = left.shape[:-1]
+    left = left[..., :width]
+    w_left, w_right = left.shape[-1], right.shape[-1]
+    if left.dtype == torch.float32:
+        # One grouped conv1d (oneDNN) is the fastest exact form in float32.
+        groups = left.numel() // w_left
+        signal = F.pad(left.reshape(1, groups, w_left), (w_right - 1, width - w_left))
+        kernel = right.flip(-1).reshape(groups, 1, w_right)
+        return F.conv1d(signal, kernel, groups=groups).reshape(nodes + (width,))
+    if w_left > _SHIFT_WIDTH:
+        # float64 grouped convolutions are slow on CPU; a batched matrix-vector product with
+        # the Toeplitz windows of `right` (a strided view) is several times faster.
+        padded = F.pad(right, (w_left - 1, max(0, width - w_right)))
+        windows = padded.unfold(-1, w_left, 1)[..., :width, :]
+        return (windows @ left.flip(-1).unsqueeze(-1)).squeeze(-1)
+    out = left.new_zeros(nodes + (width,))
+    for a in range(w_left):
+        span = min(w_right, width - a)
+        out = out + F.pad(left[..., a : a + 1] * right[..., :span], (a, width - a - span))
+    return out
+
+
+def _correlate(outside: torch.Tensor, right: torch.Tensor, width: int) -> torch.Tensor:
+    """out[..., a] = sum_b outside[..., a + b] right[..., b] for a < width."""
+    nodes = outside.shape[:-1]
+    w_right = right.shape[-1]
+    outside = outside[..., : width + w_right - 1]
+    w_out = outside.shape[-1]
+    if outside.dtype == torch.float32:
+        groups = outside.numel() // w_out
+        signal = F.pad(outside.reshape(1, groups, w_out), (0, width + w_right - 1 - w_out))
+        kernel = right.reshape(groups, 1, w_right)
+        return F.conv1d(signal, kernel, groups=groups).reshape(nodes + (width,))
+    if w_right > _SHIFT_WIDTH:
+        padded = F.pad(outside, (0, width + w_right - 1 - w_out))
+        windows = padded.unfold(-1, w_right, 1)[..., :width, :]
+        return (windows @ right.unsqueeze(-1)).squeeze(-1)
+    out = outside.new_zeros(nodes + (width,))
+    for b in range(w_right):
+        span = min(width, w_out - b)
+        if span > 0:
+            term = outside[..., b : b + span] * right[..., b : b + 1]
+            out = out + F.pad(term, (0, width - span))
+    return out
+
+
+def _rescale(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(table / its largest entry, log of that entry) per node, with entries below
+    sqrt(tiny) of the largest set to zero (so products of two entries are never denormal).
+
+    The factor is detached: every quantity computed from the tables is either invariant to
+    it (marginals, sampling) or adds it back explicitly (the normaliser).
+    """
+    info = torch.finfo(table.dtype)
+    largest = table.detach().amax(-1, keepdim=True).clamp(min=info.tiny)
+    floor = largest * info.tiny**0.5
+    table = torch.where(table >= floor, table, 0.0) / largest
+    return table, torch.log(largest[..., 0])
+
+
+def _leaves(x: torch.Tensor, k_max: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Leaf tables ``[1, exp(x_i)]`` divided by their largest entry exp(max(x_i, 0)):
+    returns (``[exp(-max(x, 0)), exp(x - max(x, 0))]`` (unflushed), flushed tables truncated
+    at k_max, sum of the log factors)."""
+    shift = x.detach().clamp(min=0.0)
+    weights = torch.stack([torch.exp(-shift), torch.exp(x - shift)], dim=-1)
+    floor = torch.finfo(x.dtype).tiny ** 0.5
+    tables = torch.where(weights >= floor, weights, 0.0)[..., : k_max + 1]
+    # The per-batch sums of log factors are accumulated in float64: in float32 they can be
+    # large and nearly cancel against k c.
+    return weights, tables, shift.to(torch.float64).sum(-1)
+
+
+def _upward(tables: torch.Tensor, k_max: int):
+    """Merge pairs of nodes until one is left. ``tables``: (batch, nodes, width).
+
+    Returns (root table (batch, width), per-level (left, right, padded) list from the leaves
+    up, sum of the kept log factors (batch,)).
+    """
+    levels = []
+    log_scale = tables.new_zeros(tables.shape[0], dtype=torch.float64)
+    while tables.shape[1] > 1:
+        batch, nodes, width = tables.shape
+        padded = nodes % 2 == 1
+        if padded:  # pair the last node with the table of an empty set, [1, 0, ...]
+            empty = tables.new_zeros(batch, 1, width)
+            empty[..., 0] = 1.0
+            tables = torch.cat([tables, empty], dim=1)
+        pairs = tables.reshape(batch, -1, 2, width)
+        left, right = pairs[:, :, 0], pairs[:, :, 1]
+        merged = _convolve(left, right, min(2 * (width - 1), k_max) + 1)
+        tables, log_factor = _rescale(merged)
+        log_scale = log_scale + log_factor.to(torch.float64).sum(-1)
+        levels.append((left, right, padded))
+    return tables[:, 0], levels, log_scale
+
+
+def _downward(root_width: int, levels, k: torch.Tensor, dtype) -> torch.Tensor:
+    """Outside tables of the leaves, (batch, n, width of a leaf), up to a factor per leaf."""
+    outside = F.one_hot(k.long(), root_width).to(dtype)[:, None, :]
+    for left, right, padded in reversed(levels):
+        batch, nodes, width = left.shape
+        # Both children at once: the left one's sibling is `right` and vice versa.
+        siblings = torch.stack([right, left], dim=2)
+        both = outside[:, :, None].expand(batch, nodes, 2, outside.shape[-1])
+        outside, _ = _rescale(_correlate(both, siblings, width))
+        outside = outside.reshape(batch, 2 * nodes, width)
+        if padded:
+            outside = outside[:, :-1]
+    return outside
+
+
+def _flatten(logits: torch.Tensor, k: torch.Tensor):
+    n = logits.shape[-1]
+    batch_shape = logits.shape[:-1]
+    return logits.reshape(-1, n), k.expand(batch_shape).reshape(-1), batch_shape
+
+
+def _prepare(logits: torch.Tensor, k: torch.Tensor, k_max: int):
+    """Flattened tilted inputs, leaf weights, and the upward pass."""
+    flat_logits, flat_k, batch_shape = _flatten(logits, k)
+    c = tilt(flat_logits, flat_k)
+    x = flat_logits + c
+    weights, leaf_tables, leaf_log_scale = _leaves(x, k_max)
+    root, levels, log_scale = _upward(leaf_tables, k_max)
+    return flat_k, batch_shape, c[:, 0], weights, root, levels, leaf_log_scale + log_scale
+
+
+def _log_normalizer(logits: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tensor:
+    if k_max == 0:  # e_0 = 1
+        return logits.new_zeros(logits.shape[:-1])
+    flat_k, batch_shape, c, _, root, _, log_scale = _prepare(logits, k, k_max)
+    root_k = root.gather(-1, flat_k.long()[:, None])[:, 0]
+    log_norm = log_scale - flat_k.to(torch.float64) * c.to(torch.float64)
+    log_norm = torch.log(root_k) + log_norm.to(logits.dtype)
+    return log_norm.reshape(batch_shape)
+
+
+def _leaf_marginals(weights: torch.Tensor, outside: torch.Tensor) -> torch.Tensor:
+    on = weights[..., 1] * outside[..., 1]
+    total = weights[..., 0] * outside[..., 0] + on
+    return on / total.clamp(min=torch.finfo(total.dtype).tiny)
+
+
+def _marginals_from(k, weights, root, levels) -> torch.Tensor:
+    return _leaf_marginals(weights, _downward(root.shape[-1], levels, k, weights.dtype))
+
+
+class _LogNormalizer(torch.autograd.Function):
+    """log e_k(exp logits) with the marginals as its gradient; the backward pass is built
+    from differentiable operations, so second derivatives work (create_graph=True)."""
+
+    @staticmethod
+    def forward(ctx, logits, k, k_max):
+        ctx.save_for_backward(logits, k)
+        ctx.k_max = k_max
+        return _log_normalizer(logits.detach(), k, k_max)
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, k = ctx.saved_tensors
+        return grad[..., None] * marginals(logits, k, ctx.k_max), None, None
 
 
 def log_normalizer(logits: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tensor:
-    """log e_k(exp logits), shape ``batch``; twice differentiable without NaN."""
-    c, log_on, log_off, softplus_sum = _tilted_log_probs(logits, k)
-    table = _tables(log_on, log_off, k_max)[-1]
-    log_pk = table.gather(-1, k[..., None].long())[..., 0]
-    return log_pk + softplus_sum - k.to(logits.dtype) * c
+    """log e_k(exp logits), shape ``batch``; its gradient is ``marginals`` (differentiable
+    again, without NaN at ``-inf`` logits)."""
+    return _LogNormalizer.apply(logits, k, k_max)
 
 
 def marginals(logits: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tensor:
-    """mu_i = P(z_i = 1 | sum z = k) = d log e_k / d logits_i, shape ``batch + (n,)``.
-
-    Differentiable again when ``logits`` requires grad (the graph is kept).
-    """
-    needs_graph = logits.requires_grad and torch.is_grad_enabled()
-    with torch.enable_grad():
-        x = logits if needs_graph else logits.detach().requires_grad_()
-        (mu,) = torch.autograd.grad(log_normalizer(x, k, k_max).sum(), x, create_graph=needs_graph)
-    return mu
+    """mu_i = P(z_i = 1 | sum z = k) = d log e_k(exp logits) / d logits_i, shape
+    ``batch + (n,)``; differentiable again when ``logits`` requires grad."""
+    if k_max == 0:
+        return torch.zeros_like(logits)
+    flat_k, batch_shape, _, weights, root, levels, _ = _prepare(logits, k, k_max)
+    return _marginals_from(flat_k, weights, root, levels).reshape(logits.shape)
 
 
-def _draw(
-    log_on: torch.Tensor,
-    tables: list[torch.Tensor],
-    k: torch.Tensor,
-    sample_shape: torch.Size,
-) -> torch.Tensor:
-    """SIMPLE Algorithm 2: from i = n down to 1 with j ones left to place,
-    P(z_i = 1) = exp(log p_i + T[i-1, j-1] - T[i, j])."""
-    n = log_on.shape[-1]
-    shape = torch.Size(sample_shape) + log_on.shape[:-1]
-    left = k.long().expand(shape).clone()
-    uniforms = torch.rand(shape + (n,), dtype=log_on.dtype, device=log_on.device)
-    z = torch.zeros(shape + (n,), dtype=log_on.dtype, device=log_on.device)
-    minus_inf = torch.tensor(-torch.inf, dtype=log_on.dtype, device=log_on.device)
-    for i in range(n, 0, -1):
-        before = tables[i - 1].expand(shape + tables[i - 1].shape[-1:])
-        after = tables[i].expand(shape + tables[i].shape[-1:])
-        log_before = before.gather(-1, (left - 1).clamp(min=0)[..., None])[..., 0]
-        log_before = torch.where(left > 0, log_before, minus_inf)
-        log_after = after.gather(-1, left[..., None])[..., 0]
-        # A state is reached only with positive probability, so log_after is finite; when
-        # z_i is forced the ratio is exactly 0 or exactly exp(0) = 1 (see _logaddexp).
-        prob_on = torch.exp(log_on[..., i - 1] + log_before - log_after)
-        on = uniforms[..., i - 1] < prob_on
-        z[..., i - 1] = on.to(z.dtype)
-        left = left - on.long()
-    return z
+def _draw(root_k: torch.Tensor, levels, num_samples: int) -> torch.Tensor:
+    """Counts of ones per leaf, (num_samples, batch, n), top-down from root counts (batch,)."""
+    counts = root_k.long().expand(num_samples, -1)[..., None]
+    for left, right, padded in reversed(levels):
+        w_left, w_right = left.shape[-1], right.shape[-1]
+        split = torch.arange(w_left, device=left.device)
+        rest = counts[..., None] - split  # ones left for the right child
+        possible = (rest >= 0) & (rest < w_right)
+        right_at_rest = right.expand(num_samples, -1, -1, -1).gather(-1, rest.clamp(0, w_right - 1))
+        weight = torch.where(possible, left * right_at_rest, 0.0)
+        cumulative = weight.cumsum(-1)
+        uniform = torch.rand(counts.shape + (1,), dtype=weight.dtype, device=weight.device)
+        ones_left = (cumulative <= uniform * cumulative[..., -1:]).sum(-1)
+        # Rounding can put u * total at the total: never pick a split of weight zero.
+        last_possible = w_left - 1 - (weight > 0).flip(-1).to(torch.uint8).argmax(-1)
+        ones_left = torch.minimum(ones_left, last_possible)
+        counts = torch.stack([ones_left, counts - ones_left], dim=-1).flatten(-2)
+        if padded:
+            counts = counts[..., :-1]
+    return counts
+
+
+def _sample_and_maybe_marginals(logits, k, k_max, sample_shape, with_marginals):
+    sample_shape = torch.Size(sample_shape)
+    out_shape = sample_shape + logits.shape
+    if k_max == 0:
+        return logits.new_zeros(out_shape).detach(), torch.zeros_like(logits)
+    flat_k, _, _, weights, root, levels, _ = _prepare(logits, k, k_max)
+    with torch.no_grad():
+        detached = [(left.detach(), right.detach(), padded) for left, right, padded in levels]
+        counts = _draw(flat_k, detached, sample_shape.numel())
+        z = counts.to(logits.dtype).reshape(out_shape)
+    mu = None
+    if with_marginals:
+        mu = _marginals_from(flat_k, weights, root, levels).reshape(logits.shape)
+    return z, mu
 
 
 def sample(
     logits: torch.Tensor, k: torch.Tensor, k_max: int, sample_shape: tuple[int, ...] = ()
 ) -> torch.Tensor:
-    """Exact draws, shape ``sample_shape + batch + (n,)``, entries 0.0 / 1.0 summing to k."""
+    """Exact draws, shape ``sample_shape + batch + (n,)``, entries 0.0 / 1.0 summing to k.
+    No gradient."""
     with torch.no_grad():
-        _, log_on, log_off, _ = _tilted_log_probs(logits.detach(), k)
-        return _draw(log_on, _tables(log_on, log_off, k_max), k, sample_shape)
+        return _sample_and_maybe_marginals(logits.detach(), k, k_max, sample_shape, False)[0]
 
 
 def sample_and_marginals(
     logits: torch.Tensor, k: torch.Tensor, k_max: int, sample_shape: tuple[int, ...] = ()
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sample(...), marginals(...)) for rsample."""
-    return sample(logits, k, k_max, sample_shape), marginals(logits, k, k_max)
+    """(sample(...), marginals(...)) from one upward pass (for ``rsample``)."""
+    return _sample_and_maybe_marginals(logits, k, k_max, sample_shape, True)

@@ -1,0 +1,265 @@
+"""The exactly-k kernels of both packages against independent references.
+
+Enumeration of all k-subsets (n <= 10), SciPy's Poisson-binomial pmf for larger n, finite
+differences for first and second derivatives, chi-square goodness of fit for the sampler,
+float32 against float64, torch against JAX on identical inputs. Every JAX function is called
+with few distinct shapes: each new shape costs a compilation.
+"""
+
+import functools
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from scipy import special, stats
+
+from numpyro_constrained import exactly_k_kernels as jax_kernels
+from pyro_constrained import exactly_k_kernels as torch_kernels
+from tests.oracles import exactly_k as oracle
+
+
+def _enumeration_cases():
+    """(logits (rows, 10) float64, k (rows,)): n in {1, 2, 5, 10} with every feasible k, the
+    smaller n padded with -inf logits (forced off, which leaves the distribution unchanged) so
+    that JAX compiles one shape; the n >= 5 rows also have one -inf among their own logits."""
+    rng = np.random.default_rng(0)
+    rows, ks = [], []
+    for n in (1, 2, 5, 10):
+        for k in range(n + 1 if n < 5 else n):
+            logits = np.r_[rng.normal(0.0, 3.0, size=n), np.full(10 - n, -np.inf)]
+            if n >= 5:
+                logits[1] = -np.inf
+            rows.append(logits)
+            ks.append(k)
+    return np.array(rows), np.array(ks)
+
+
+@partial(jax.jit, static_argnums=2)
+def _jax_both(logits, ks, k_max):
+    # One compilation for both (XLA shares their upward pass): compiling dominates test time.
+    return (
+        jax_kernels.log_normalizer(logits, ks, k_max),
+        jax_kernels.marginals(logits, ks, k_max),
+    )
+
+
+def _run(framework, logits, ks, k_max):
+    """(log_normalizer, marginals) as NumPy arrays."""
+    if framework == "torch":
+        args = (torch.tensor(logits), torch.tensor(ks), k_max)
+        return torch_kernels.log_normalizer(*args).numpy(), torch_kernels.marginals(*args).numpy()
+    log_norm, mu = _jax_both(jnp.asarray(logits), jnp.asarray(ks), k_max)
+    return np.asarray(log_norm), np.asarray(mu)
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_log_normalizer_and_marginals_match_enumeration(framework):
+    logits, ks = _enumeration_cases()
+    log_norm, mu = _run(framework, logits, ks, 10)
+    for row, k in enumerate(ks):
+        expected = oracle.exactly_k_log_normalizer(logits[row], k)
+        assert abs(log_norm[row] - expected) < 1e-10
+        assert np.abs(mu[row] - oracle.exactly_k_marginals(logits[row], k)).max() < 1e-10
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_large_n_matches_scipy_poisson_binomial(framework):
+    """log e_k = log P(sum = k) + sum softplus, and mu_i = p_i P_{-i}(k - 1) / P(k)."""
+    rng = np.random.default_rng(1)
+    n = 150
+    logits = rng.normal(-1.0, 2.0, size=(4, n))
+    probs = special.expit(logits)
+    ks = np.array([1, 20, 40, 149])
+    log_norm, mu = _run(framework, logits, ks, n)
+    for row, k in enumerate(ks):
+        log_pk = stats.poisson_binom(probs[row]).logpmf(k)
+        expected = log_pk + np.logaddexp(0.0, logits[row]).sum()
+        assert abs(log_norm[row] - expected) < 1e-9 * max(1.0, abs(expected))
+        for i in (0, 7, 99):
+            rest = stats.poisson_binom(np.delete(probs[row], i)).pmf(k - 1)
+            assert abs(mu[row, i] - probs[row, i] * rest / np.exp(log_pk)) < 1e-9
+
+
+@functools.cache
+def _wide_problem():
+    """Logits ~ N(-1, 6^2) for n = 300 and n = 1000 with k across 0..n, in one (rows, 1000)
+    array: the n = 300 rows are padded with -inf logits (variables forced off), which leaves
+    their distribution unchanged and saves a JAX compilation per shape."""
+    rng = np.random.default_rng(300)
+    rows, ks = [], []
+    for n in (300, 1000):
+        for k in np.unique(
+            np.r_[0, 1, 2, 3, rng.integers(0, n + 1, size=4), n // 2, n - 2, n - 1, n]
+        ):
+            rows.append(np.r_[rng.normal(-1.0, 6.0, size=n), np.full(1000 - n, -np.inf)])
+            ks.append(k)
+    return np.array(rows), np.array(ks)
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_float32_marginals_are_within_1e_5_of_float64_for_n_300_and_1000(framework):
+    logits, ks = _wide_problem()
+    log_norm64, mu64 = _run(framework, logits, ks, 1000)
+    log_norm32, mu32 = _run(framework, logits.astype(np.float32), ks, 1000)
+    assert mu32.dtype == np.float32 and np.isfinite(mu32).all()
+    assert np.abs(mu32 - mu64).max() < 1e-5
+    assert np.abs(mu64.sum(-1) - ks).max() < 1e-9
+    assert not mu64[:, 300:][np.isinf(logits[:, 300:])].any()
+    assert np.all(np.abs(log_norm32 - log_norm64) < 1e-5 * np.maximum(1.0, np.abs(log_norm64)))
+
+
+def test_torch_second_derivatives_match_finite_differences():
+    rng = np.random.default_rng(2)
+    logits = torch.tensor(rng.normal(0.0, 2.0, size=(3, 7)), requires_grad=True)
+    with torch.no_grad():
+        logits[0, 2] = -torch.inf  # derivatives must stay finite (and zero) there
+    ks = torch.tensor([2, 3, 6])
+    assert torch.autograd.gradcheck(lambda x: torch_kernels.log_normalizer(x, ks, 6), (logits,))
+    assert torch.autograd.gradgradcheck(lambda x: torch_kernels.log_normalizer(x, ks, 6), (logits,))
+    assert torch.autograd.gradcheck(lambda x: torch_kernels.marginals(x, ks, 6), (logits,))
+    # The straight-through path of rsample: the gradient through sample_and_marginals' mu.
+    _, mu = torch_kernels.sample_and_marginals(logits, ks, 6, (2,))
+    (grad,) = torch.autograd.grad((mu * mu).sum(), logits)
+    assert torch.isfinite(grad).all() and grad[0, 2] == 0
+
+
+def test_jax_second_derivatives_match_finite_differences():
+    """Reverse over reverse through log_normalizer (its custom JVP, then the marginals'
+    own derivative), against central differences of the marginals."""
+    rng = np.random.default_rng(2)
+    logits = jnp.asarray(rng.normal(0.0, 2.0, size=(3, 7))).at[0, 2].set(-jnp.inf)
+    ks = jnp.asarray([2, 3, 6])
+    weights, u, v = (jnp.asarray(rng.normal(size=shape)) for shape in [(3,), (3, 7), (3, 7)])
+    v = v.at[0, 2].set(0.0)
+
+    def gradient(x):
+        return jax.grad(lambda y: (jax_kernels.log_normalizer(y, ks, 6) * weights).sum())(x)
+
+    hvp = jax.jit(jax.grad(lambda x: (gradient(x) * u).sum()))(logits)
+    assert np.isfinite(np.asarray(hvp)).all() and hvp[0, 2] == 0
+
+    def projected_marginals(x):
+        return float((jax_kernels.marginals(x, ks, 6) * weights[:, None] * u).sum())
+
+    step = 1e-5
+    finite_difference = (
+        projected_marginals(logits + step * v) - projected_marginals(logits - step * v)
+    ) / (2 * step)
+    assert abs(float((hvp * v).sum()) - finite_difference) < 1e-7
+    # And the first derivative is the marginals.
+    expected = jax_kernels.marginals(logits, ks, 6) * weights[:, None]
+    assert np.abs(np.asarray(gradient(logits) - expected)).max() < 1e-14
+
+
+def _draw(framework, logits, ks, num_samples, dtype=np.float64):
+    n = logits.shape[-1]
+    if framework == "torch":
+        torch.manual_seed(0)
+        args = (torch.tensor(logits.astype(dtype)), torch.tensor(ks), n, (num_samples,))
+        return torch_kernels.sample(*args).numpy()
+    args = (jnp.asarray(logits.astype(dtype)), jnp.asarray(ks), n, (num_samples,))
+    return np.asarray(jax_kernels.sample(jax.random.PRNGKey(0), *args))
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_samples_follow_the_enumerated_pmf_with_per_batch_k(framework):
+    rng = np.random.default_rng(3)
+    n = 6
+    logits = rng.normal(0.0, 1.5, size=(4, n))
+    logits[3, 0] = -np.inf
+    ks = np.array([1, 3, 5, 2])
+    samples = _draw(framework, logits, ks, 6000)
+    assert samples.shape == (6000, 4, n)
+    for row, k in enumerate(ks):
+        assert oracle.chi_square_pvalue(samples[:, row], logits[row], k) > 1e-3
+
+
+@pytest.mark.parametrize(
+    "framework, dtype",  # JAX float64 sampling is covered by the chi-square test
+    [("torch", np.float32), ("torch", np.float64), ("jax", np.float32)],
+)
+def test_samples_are_exact_k_hot_at_the_edges(framework, dtype):
+    rng = np.random.default_rng(4)
+    n = 37  # odd sizes exercise the padding of the tree
+    logits = rng.normal(-1.0, 6.0, size=(5, n))
+    logits[:, :3] = -np.inf
+    ks = np.array([0, 1, 17, 33, 34])  # 34 = number of finite logits
+    samples = _draw(framework, logits, ks, 50, dtype)
+    assert samples.dtype == dtype
+    assert set(np.unique(samples)) <= {0.0, 1.0}
+    assert np.array_equal(samples.sum(-1), np.broadcast_to(ks, (50, 5)).astype(dtype))
+    assert not samples[..., :3].any()
+    assert samples[:, 4, 3:].all()
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_sample_and_marginals_share_tables_and_agree(framework):
+    rng = np.random.default_rng(5)
+    logits = rng.normal(0.0, 2.0, size=(2, 9))
+    ks = np.array([4, 7])
+    if framework == "torch":
+        z, mu = torch_kernels.sample_and_marginals(torch.tensor(logits), torch.tensor(ks), 9, (3,))
+        z, mu = z.numpy(), mu.numpy()
+    else:
+        key = jax.random.PRNGKey(1)
+        z, mu = jax_kernels.sample_and_marginals(key, jnp.asarray(logits), jnp.asarray(ks), 9, (3,))
+        z, mu = np.asarray(z), np.asarray(mu)
+    assert z.shape == (3, 2, 9) and np.array_equal(z.sum(-1), np.broadcast_to(ks, (3, 2)))
+    for row, k in enumerate(ks):
+        assert np.abs(mu[row] - oracle.exactly_k_marginals(logits[row], k)).max() < 1e-10
+
+
+def test_torch_and_jax_agree_on_identical_inputs():
+    logits, ks = _wide_problem()  # the shapes JAX compiled for the float32 test
+    for dtype, tol in ((np.float64, 1e-12), (np.float32, 1e-5)):
+        x = logits.astype(dtype)
+        for via_torch, via_jax in zip(
+            _run("torch", x, ks, 1000), _run("jax", x, ks, 1000), strict=True
+        ):
+            assert via_torch.dtype == via_jax.dtype == dtype
+            assert np.all(np.abs(via_torch - via_jax) <= tol * np.maximum(1.0, np.abs(via_torch)))
+
+
+def test_jax_kernels_work_under_jit_with_traced_k():
+    rng = np.random.default_rng(7)
+    logits = jnp.asarray(rng.normal(size=(2, 9)))
+
+    @jax.jit
+    def marginals_and_draw(ks, key):
+        mu = jax_kernels.marginals(logits, ks, 9)  # k traced: k_max = n
+        return mu, jax_kernels.sample(key, logits, ks, 9)
+
+    ks = np.array([0, 9])
+    mu, z = marginals_and_draw(jnp.asarray(ks), jax.random.PRNGKey(2))
+    assert np.array_equal(np.asarray(mu), np.array([[0.0] * 9, [1.0] * 9]))
+    assert np.array_equal(np.asarray(z), np.asarray(mu))
+
+
+def test_torch_kernels_never_produce_denormals():
+    """Flushing denormals to zero changes nothing: no table entry is ever denormal (such
+    arithmetic is many times slower on CPUs)."""
+    if not torch.set_flush_denormal(False):
+        pytest.skip("this CPU cannot flush denormals")
+    rng = np.random.default_rng(8)
+    logits = torch.tensor(rng.normal(-1.0, 30.0, size=(4, 200)), dtype=torch.float32)
+    ks = torch.tensor([0, 3, 100, 190])
+    try:
+        plain = (
+            torch_kernels.marginals(logits, ks, 200),
+            torch_kernels.log_normalizer(logits, ks, 200),
+        )
+        torch.set_flush_denormal(True)
+        flushed = (
+            torch_kernels.marginals(logits, ks, 200),
+            torch_kernels.log_normalizer(logits, ks, 200),
+        )
+    finally:
+        torch.set_flush_denormal(False)
+    # Only the leaves' final products exp(x_i) * outside may be denormal (marginals below
+    # 1e-38): compare the rest exactly.
+    normal = plain[0].abs() >= torch.finfo(torch.float32).tiny
+    assert torch.equal(plain[0][normal], flushed[0][normal])
+    assert torch.equal(plain[1], flushed[1])
