@@ -166,7 +166,7 @@ def _rescale(table: jax.Array) -> tuple[jax.Array, jax.Array]:
 def _leaves(x: jax.Array, k_max: int):
     """Leaf tables ``[1, exp(x_i)]`` divided by their largest entry exp(max(x_i, 0)):
     returns (``[exp(-max(x, 0)), exp(x - max(x, 0))]`` (unflushed), flushed tables truncated
-    at k_max, float64-or-wider sum of the log factors)."""
+    at k_max, sum of the log factors, in float64 when x64 is on)."""
     shift = jnp.maximum(lax.stop_gradient(x), 0.0)
     weights = jnp.stack([jnp.exp(-shift), jnp.exp(x - shift)], axis=-1)
     floor = float(jnp.finfo(x.dtype).tiny) ** 0.5
