@@ -1,9 +1,9 @@
 """The showcase run by ``python -m pyro_constrained``: one small model per distribution.
 
-Each experiment builds synthetic data with NumPy from a fixed seed (the generators are
-plain NumPy so that the NumPy/JAX mirror, ``numpyro_constrained.showcase``, builds the
-very same data), fits a model with Pyro's SVI, draws samples from the fitted distribution,
-and measures
+Each experiment builds synthetic data with NumPy from a fixed seed (the generators live in
+``constrained_ppl_showcase``, which imports neither torch nor JAX, so that the NumPyro
+mirror, ``numpyro_constrained.showcase``, builds the very same data), fits a model with
+Pyro's SVI, draws samples from the fitted distribution, and measures
 
 - the constraint violation of those samples: exactly 0 for the discrete distributions,
   a few float roundings for the Gaussian on its affine subspace;
@@ -21,165 +21,21 @@ and measures
 
 from __future__ import annotations
 
-import argparse
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
-# Pauling electronegativities (eV-like units) and chemical hardnesses of H, C, N, O: only
-# their ordering matters for a plausible synthetic charge model.
-ELECTRONEGATIVITY = np.array([2.20, 2.55, 3.04, 3.44])
-HARDNESS = np.array([6.4, 5.0, 7.2, 6.1])
-ELEMENT_FREQUENCY = np.array([0.45, 0.35, 0.1, 0.1])
-
-
-@dataclass
-class ShowcaseResult:
-    """One row of the results table."""
-
-    distribution: str
-    model: str
-    steps: int
-    final_loss: float
-    violation: float
-    violation_tol: float
-    error_name: str
-    error: float
-    error_max: float
-    wall_s: float
-
-    @property
-    def passed(self) -> bool:
-        return self.violation <= self.violation_tol and self.error <= self.error_max
-
-
-# ---------------------------------------------------------------------------------------
-# Data (plain NumPy; numpyro_constrained.showcase holds an identical copy)
-
-
-def make_sparse_regression(
-    rng: np.random.Generator, n_data: int, n_features: int, k: int, noise: float
-) -> dict:
-    """Linear regression data in which only ``k`` of ``n_features`` inputs matter."""
-    X = rng.normal(size=(n_data, n_features))
-    support = np.sort(rng.choice(n_features, size=k, replace=False))
-    coef = np.zeros(n_features)
-    coef[support] = rng.choice([-1.0, 1.0], size=k) * rng.uniform(1.0, 2.0, size=k)
-    y = X @ coef + noise * rng.normal(size=n_data)
-    return {"X": X, "y": y, "coef": coef, "support": support, "noise": noise}
-
-
-def make_molecules(
-    rng: np.random.Generator, n_molecules: int, n_atoms: int, noise: float = 0.05
-) -> dict:
-    """Synthetic molecules with per-atom partial charges summing to the total charge.
-
-    Each molecule is a random tree of ``n_atoms`` atoms (H, C, N, O). An atom's
-    electronegativity is its element's value shifted by its neighbours' (an inductive
-    effect) plus noise; charge equilibration then minimises
-    ``sum_i chi_i q_i + eta_i q_i^2 / 2`` subject to ``sum_i q_i = Q``, whose solution is
-    ``q_i = (lambda - chi_i) / eta_i``. With noise of variance ``noise^2 eta_i`` on
-    ``chi_i`` the charges are exactly ``N(-chi_bar / eta, noise^2 / eta)`` conditioned on
-    ``sum q = Q``: a LinearConstrainedNormal whose location is linear in the features
-    returned here (element one-hot, and element one-hot times neighbour counts).
-    """
-    n_elements = len(ELECTRONEGATIVITY)
-    elements = rng.choice(n_elements, size=(n_molecules, n_atoms), p=ELEMENT_FREQUENCY)
-    neighbour_counts = np.zeros((n_molecules, n_atoms, n_elements))
-    rows = np.arange(n_molecules)
-    for atom in range(1, n_atoms):
-        parent = rng.integers(0, atom, size=n_molecules)
-        neighbour_counts[rows, atom, elements[rows, parent]] += 1
-        neighbour_counts[rows, parent, elements[rows, atom]] += 1
-    one_hot = np.eye(n_elements)[elements]
-    features = np.concatenate(
-        [
-            one_hot,
-            (one_hot[..., :, None] * neighbour_counts[..., None, :]).reshape(
-                n_molecules, n_atoms, -1
-            ),
-        ],
-        axis=-1,
-    )
-    chi = ELECTRONEGATIVITY[elements]
-    chi_bar = chi + 0.15 * (neighbour_counts @ ELECTRONEGATIVITY - neighbour_counts.sum(-1) * chi)
-    eta = HARDNESS[elements]
-    total = rng.choice([-1.0, 0.0, 0.0, 0.0, 1.0], size=n_molecules)
-    loc = -chi_bar / eta
-    scale = noise / np.sqrt(eta)
-    weights = scale**2
-    # Conditioning N(loc, diag(scale^2)) on the sum: shift along the weights.
-    mean = loc + weights * ((total - loc.sum(-1)) / weights.sum(-1))[:, None]
-    x = loc + scale * rng.normal(size=loc.shape)
-    charges = x + weights * ((total - x.sum(-1)) / weights.sum(-1))[:, None]
-    return {
-        "features": features,
-        "elements": elements,
-        "total": total,
-        "charges": charges,
-        "mean_charges": mean,
-    }
-
-
-def make_bags(rng: np.random.Generator, n_bags: int, rate: np.ndarray) -> dict:
-    """Bags holding ``exposure[b, j]`` units of type ``j`` and a known total count.
-
-    The per-type counts ``counts[b, j] ~ Poisson(exposure[b, j] rate[j])`` are hidden;
-    only ``total[b] = sum_j counts[b, j]`` and the exposures are observed.
-    """
-    # Shape 1/2: most bags are dominated by one or two types, which is what lets the
-    # per-type rates be told apart from totals alone.
-    exposure = rng.gamma(0.5, 2.0, size=(n_bags, len(rate)))
-    counts = rng.poisson(exposure * rate)
-    return {"exposure": exposure, "counts": counts, "total": counts.sum(-1), "rate": rate}
-
-
-def format_table(results: list[ShowcaseResult]) -> str:
-    """The results as a text table with ``|``-separated columns, one row per distribution."""
-    columns = [
-        ("distribution", 23, "<"),
-        ("model fitted with SVI", 37, "<"),
-        ("steps", 5, ">"),
-        ("final loss", 10, ">"),
-        ("violation", 9, ">"),
-        ("tol", 7, ">"),
-        ("error vs truth", 31, "<"),
-        ("error", 7, ">"),
-        ("max", 5, ">"),
-        ("time s", 6, ">"),
-        ("ok", 3, "<"),
-    ]
-
-    def row(cells):
-        return (
-            "| "
-            + " | ".join(
-                f"{cell:{align}{width}}"
-                for cell, (_, width, align) in zip(cells, columns, strict=True)
-            )
-            + " |"
-        )
-
-    lines = [row([name for name, _, _ in columns])]
-    lines.append("|" + "|".join("-" * (width + 2) for _, width, _ in columns) + "|")
-    for r in results:
-        cells = [
-            r.distribution,
-            r.model,
-            str(r.steps),
-            f"{r.final_loss:.4g}",
-            f"{r.violation:.3g}",
-            f"{r.violation_tol:.1g}",
-            r.error_name,
-            f"{r.error:.4f}",
-            f"{r.error_max:.3g}",
-            f"{r.wall_s:.1f}",
-            "yes" if r.passed else "NO",
-        ]
-        lines.append(row(cells))
-    return "\n".join(lines)
-
+# The framework-free half (data, results table, command line) is shared with the NumPyro
+# showcase, so that both fit the very same data.
+from constrained_ppl_showcase import (
+    ELECTRONEGATIVITY,
+    ShowcaseResult,
+    make_bags,
+    make_molecules,
+    make_sparse_regression,
+    run_experiments,
+)
+from constrained_ppl_showcase import main as _shared_main
 
 # ---------------------------------------------------------------------------------------
 # Experiments (Pyro)
@@ -386,34 +242,22 @@ QUICK_STEPS = (300, 250, 250)
 
 def run_showcase(seed: int = 0, quick: bool = False, progress: bool = True) -> list[ShowcaseResult]:
     """Run the three experiments and return one result per distribution."""
-    results = []
-    for experiment, quick_steps in zip(EXPERIMENTS, QUICK_STEPS, strict=True):
-        kwargs = {"steps": quick_steps} if quick else {}
-        results.append(experiment(seed=seed, progress=progress, **kwargs))
-    return results
+    return run_experiments(EXPERIMENTS, QUICK_STEPS, seed=seed, quick=quick, progress=progress)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    """``python -m pyro_constrained``: print the showcase table; 0 if every check passes."""
+    return _shared_main(
+        argv,
         prog="python -m pyro_constrained",
         description="Fit one model per constrained distribution with Pyro SVI and report.",
+        run_showcase=run_showcase,
+        setup=_one_torch_thread,
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed for data and SVI")
-    parser.add_argument("--quick", action="store_true", help="fewer SVI steps (for tests)")
-    parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
-    args = parser.parse_args(argv)
 
+
+def _one_torch_thread() -> None:
     import torch
 
     # Small models: one thread avoids oversubscribing small CPUs.
     torch.set_num_threads(1)
-    start = time.perf_counter()
-    results = run_showcase(seed=args.seed, quick=args.quick, progress=not args.no_progress)
-    print()
-    print(format_table(results))
-    passed = all(r.passed for r in results)
-    print(
-        f"\ntotal {time.perf_counter() - start:.1f} s; "
-        + ("all checks passed" if passed else "SOME CHECKS FAILED")
-    )
-    return 0 if passed else 1

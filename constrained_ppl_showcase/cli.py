@@ -1,0 +1,65 @@
+"""The showcase's command line, shared by ``python -m pyro_constrained`` and
+``python -m numpyro_constrained``: each passes its own experiments, which are the only
+framework code involved."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable, Sequence
+
+from constrained_ppl_showcase.report import ShowcaseResult, format_table
+
+# An experiment fits one model and returns its row: ``experiment(seed=, progress=, steps=)``.
+Experiment = Callable[..., ShowcaseResult]
+
+
+def run_experiments(
+    experiments: Sequence[Experiment],
+    quick_steps: Sequence[int],
+    seed: int = 0,
+    quick: bool = False,
+    progress: bool = True,
+) -> list[ShowcaseResult]:
+    """Run each experiment (with its ``quick_steps`` entry as ``steps`` when ``quick``)."""
+    results = []
+    for experiment, steps in zip(experiments, quick_steps, strict=True):
+        kwargs = {"steps": steps} if quick else {}
+        results.append(experiment(seed=seed, progress=progress, **kwargs))
+    return results
+
+
+def parse_args(argv: list[str] | None, prog: str, description: str) -> argparse.Namespace:
+    """The showcase's options: ``--seed``, ``--quick``, ``--no-progress``."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--seed", type=int, default=0, help="seed for data and SVI")
+    parser.add_argument("--quick", action="store_true", help="fewer SVI steps (for tests)")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    return parser.parse_args(argv)
+
+
+def main(
+    argv: list[str] | None,
+    prog: str,
+    description: str,
+    run_showcase: Callable[..., list[ShowcaseResult]],
+    setup: Callable[[], None] | None = None,
+) -> int:
+    """Parse ``argv``, run ``run_showcase(seed=, quick=, progress=)``, print the table.
+
+    ``setup`` runs after parsing, so that ``--help`` answers without importing a framework.
+    Returns the exit status: 0 when every row passes its checks, 1 otherwise.
+    """
+    args = parse_args(argv, prog, description)
+    if setup is not None:
+        setup()
+    start = time.perf_counter()
+    results = run_showcase(seed=args.seed, quick=args.quick, progress=not args.no_progress)
+    print()
+    print(format_table(results))
+    passed = all(r.passed for r in results)
+    print(
+        f"\ntotal {time.perf_counter() - start:.1f} s; "
+        + ("all checks passed" if passed else "SOME CHECKS FAILED")
+    )
+    return 0 if passed else 1
