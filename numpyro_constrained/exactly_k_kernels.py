@@ -55,8 +55,10 @@ from jax import lax
 
 _TILT_STEPS = 6
 # Widths up to this are convolved by an unrolled shift-and-add (fused by XLA); wider ones by
-# a fori_loop over the shifts, so compile time does not grow with k_max.
+# a fori_loop over groups of _SHIFTS_PER_STEP shifts, so compile time does not grow with
+# k_max while each loop step still makes one fused pass over the output.
 _UNROLL_WIDTH = 2
+_SHIFTS_PER_STEP = 8
 
 
 def tilt(logits: jax.Array, k: jax.Array) -> jax.Array:
@@ -120,14 +122,22 @@ def _convolve(left: jax.Array, right: jax.Array, width: int) -> jax.Array:
             span = min(w_right, width - a)
             out = out + _pad_last(left[..., a : a + 1] * right[..., :span], a, width - a - span)
         return out
-    # shifted[a][j] = right[j - a]: a window of right padded by `width` zeros on both sides.
-    padded = _pad_last(right[..., :width], width, width + max(0, width - w_right))
+    # shifted[a][j] = right[j - a]: a window of right padded by zeros on both sides. The
+    # shifts are taken _SHIFTS_PER_STEP at a time (left padded with zero weights), so that
+    # XLA fuses them into one pass over the output per loop step.
+    steps = -(-w_left // _SHIFTS_PER_STEP)
+    left = _pad_last(left, 0, steps * _SHIFTS_PER_STEP - w_left)
+    before = max(width, steps * _SHIFTS_PER_STEP)
+    padded = _pad_last(right[..., :width], before, width + max(0, width - w_right))
 
-    def add_shift(a, out):
-        shifted = lax.dynamic_slice_in_dim(padded, width - a, width, axis=-1)
-        return out + lax.dynamic_slice_in_dim(left, a, 1, axis=-1) * shifted
+    def add_shifts(step, out):
+        for shift in range(_SHIFTS_PER_STEP):
+            a = step * _SHIFTS_PER_STEP + shift
+            shifted = lax.dynamic_slice_in_dim(padded, before - a, width, axis=-1)
+            out = out + lax.dynamic_slice_in_dim(left, a, 1, axis=-1) * shifted
+        return out
 
-    return lax.fori_loop(0, w_left, add_shift, jnp.zeros(left.shape[:-1] + (width,), left.dtype))
+    return lax.fori_loop(0, steps, add_shifts, jnp.zeros(left.shape[:-1] + (width,), left.dtype))
 
 
 def _correlate(outside: jax.Array, right: jax.Array, width: int) -> jax.Array:
@@ -141,12 +151,19 @@ def _correlate(outside: jax.Array, right: jax.Array, width: int) -> jax.Array:
             out = out + padded[..., b : b + width] * right[..., b : b + 1]
         return out
 
-    def add_shift(b, out):
-        window = lax.dynamic_slice_in_dim(padded, b, width, axis=-1)
-        return out + window * lax.dynamic_slice_in_dim(right, b, 1, axis=-1)
+    steps = -(-w_right // _SHIFTS_PER_STEP)
+    right = _pad_last(right, 0, steps * _SHIFTS_PER_STEP - w_right)
+    padded = _pad_last(padded, 0, steps * _SHIFTS_PER_STEP - w_right)
+
+    def add_shifts(step, out):
+        for shift in range(_SHIFTS_PER_STEP):
+            b = step * _SHIFTS_PER_STEP + shift
+            window = lax.dynamic_slice_in_dim(padded, b, width, axis=-1)
+            out = out + window * lax.dynamic_slice_in_dim(right, b, 1, axis=-1)
+        return out
 
     zeros = jnp.zeros(outside.shape[:-1] + (width,), outside.dtype)
-    return lax.fori_loop(0, w_right, add_shift, zeros)
+    return lax.fori_loop(0, steps, add_shifts, zeros)
 
 
 def _rescale(table: jax.Array) -> tuple[jax.Array, jax.Array]:
