@@ -54,6 +54,7 @@ import jax.numpy as jnp
 from jax import lax
 
 _TILT_STEPS = 6
+_TILT_TOLERANCE = 1e-2
 # Widths up to this are convolved by an unrolled shift-and-add (fused by XLA); wider ones by
 # a fori_loop over groups of _SHIFTS_PER_STEP shifts, so compile time does not grow with
 # k_max while each loop step still makes one fused pass over the output.
@@ -69,9 +70,10 @@ def tilt(logits: jax.Array, k: jax.Array) -> jax.Array:
     number of finite logits: g is increasing and close to linear with slope 1 in both tails
     (where Newton on f itself crawls), and exactly linear when m = 1. Steps that leave the
     bracket ``[logit(t/m) - max x, logit(t/m) - min x]``, which provably holds the root,
-    are replaced by bisection. The target count t is clamped to [1/2, m - 1/2] because the
-    exact solution is infinite for k = 0 and k = m; any finite c leaves the distribution
-    unchanged, and the tables only need c roughly right.
+    are replaced by bisection, and the iteration stops once every step is below
+    ``_TILT_TOLERANCE`` (usually after 3 steps). The target count t is clamped to
+    [1/2, m - 1/2] because the exact solution is infinite for k = 0 and k = m; any finite c
+    leaves the distribution unchanged, and the tables only need c roughly right.
     """
     logits = lax.stop_gradient(logits)
     dtype = logits.dtype
@@ -86,21 +88,31 @@ def tilt(logits: jax.Array, k: jax.Array) -> jax.Array:
     low = jnp.where(num_finite > 0, goal - largest, 0.0).astype(dtype)
     high = jnp.where(num_finite > 0, goal - smallest, 0.0).astype(dtype)
 
-    def step(_, state):
-        c, low, high = state
+    def step(state):
+        # One sigmoid per step: 1 - on is exact to an absolute eps, which only matters where
+        # the off-count is tiny, far from the root (the bracket catches it).
+        steps, c, low, high, _ = state
         on = jax.nn.sigmoid(logits + c)
+        off = jnp.where(finite, 1.0 - on, 0.0)
         count_on = on.sum(-1, keepdims=True)
-        count_off = jnp.where(finite, jax.nn.sigmoid(-(logits + c)), 0.0).sum(-1, keepdims=True)
-        slope = (on * (1.0 - on)).sum(-1, keepdims=True)
+        count_off = off.sum(-1, keepdims=True)
+        slope = (on * off).sum(-1, keepdims=True)
         g = jnp.log(count_on) - jnp.log(count_off)
         too_many = g > goal
         high = jnp.where(too_many, c, high)
         low = jnp.where(too_many, low, c)
         newton = c - (g - goal) / (slope * (1.0 / count_on + 1.0 / count_off))
         inside = (newton >= low) & (newton <= high)  # False for NaN steps too
-        return jnp.where(inside, newton, 0.5 * (low + high)).astype(dtype), low, high
+        new_c = jnp.where(inside, newton, 0.5 * (low + high)).astype(dtype)
+        converged = jnp.all(jnp.abs(new_c - c) <= _TILT_TOLERANCE)
+        return steps + 1, new_c, low, high, converged
 
-    c, _, _ = lax.fori_loop(0, _TILT_STEPS, step, (0.5 * (low + high), low, high))
+    def more(state):
+        steps, _, _, _, converged = state
+        return (steps < _TILT_STEPS) & ~converged
+
+    start = (jnp.int32(0), 0.5 * (low + high), low, high, jnp.bool_(False))
+    _, c, _, _, _ = lax.while_loop(more, step, start)
     return lax.stop_gradient(c)
 
 
