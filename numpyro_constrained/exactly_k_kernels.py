@@ -54,9 +54,12 @@ import jax.numpy as jnp
 from jax import lax
 
 _TILT_STEPS = 6
+_TILT_TOLERANCE = 1e-2
 # Widths up to this are convolved by an unrolled shift-and-add (fused by XLA); wider ones by
-# a fori_loop over the shifts, so compile time does not grow with k_max.
+# a fori_loop over groups of _SHIFTS_PER_STEP shifts, so compile time does not grow with
+# k_max while each loop step still makes one fused pass over the output.
 _UNROLL_WIDTH = 2
+_SHIFTS_PER_STEP = 8
 
 
 def tilt(logits: jax.Array, k: jax.Array) -> jax.Array:
@@ -67,9 +70,10 @@ def tilt(logits: jax.Array, k: jax.Array) -> jax.Array:
     number of finite logits: g is increasing and close to linear with slope 1 in both tails
     (where Newton on f itself crawls), and exactly linear when m = 1. Steps that leave the
     bracket ``[logit(t/m) - max x, logit(t/m) - min x]``, which provably holds the root,
-    are replaced by bisection. The target count t is clamped to [1/2, m - 1/2] because the
-    exact solution is infinite for k = 0 and k = m; any finite c leaves the distribution
-    unchanged, and the tables only need c roughly right.
+    are replaced by bisection, and the iteration stops once every step is below
+    ``_TILT_TOLERANCE`` (usually after 3 steps). The target count t is clamped to
+    [1/2, m - 1/2] because the exact solution is infinite for k = 0 and k = m; any finite c
+    leaves the distribution unchanged, and the tables only need c roughly right.
     """
     logits = lax.stop_gradient(logits)
     dtype = logits.dtype
@@ -84,21 +88,31 @@ def tilt(logits: jax.Array, k: jax.Array) -> jax.Array:
     low = jnp.where(num_finite > 0, goal - largest, 0.0).astype(dtype)
     high = jnp.where(num_finite > 0, goal - smallest, 0.0).astype(dtype)
 
-    def step(_, state):
-        c, low, high = state
+    def step(state):
+        # One sigmoid per step: 1 - on is exact to an absolute eps, which only matters where
+        # the off-count is tiny, far from the root (the bracket catches it).
+        steps, c, low, high, _ = state
         on = jax.nn.sigmoid(logits + c)
+        off = jnp.where(finite, 1.0 - on, 0.0)
         count_on = on.sum(-1, keepdims=True)
-        count_off = jnp.where(finite, jax.nn.sigmoid(-(logits + c)), 0.0).sum(-1, keepdims=True)
-        slope = (on * (1.0 - on)).sum(-1, keepdims=True)
+        count_off = off.sum(-1, keepdims=True)
+        slope = (on * off).sum(-1, keepdims=True)
         g = jnp.log(count_on) - jnp.log(count_off)
         too_many = g > goal
         high = jnp.where(too_many, c, high)
         low = jnp.where(too_many, low, c)
         newton = c - (g - goal) / (slope * (1.0 / count_on + 1.0 / count_off))
         inside = (newton >= low) & (newton <= high)  # False for NaN steps too
-        return jnp.where(inside, newton, 0.5 * (low + high)).astype(dtype), low, high
+        new_c = jnp.where(inside, newton, 0.5 * (low + high)).astype(dtype)
+        converged = jnp.all(jnp.abs(new_c - c) <= _TILT_TOLERANCE)
+        return steps + 1, new_c, low, high, converged
 
-    c, _, _ = lax.fori_loop(0, _TILT_STEPS, step, (0.5 * (low + high), low, high))
+    def more(state):
+        steps, _, _, _, converged = state
+        return (steps < _TILT_STEPS) & ~converged
+
+    start = (jnp.int32(0), 0.5 * (low + high), low, high, jnp.bool_(False))
+    _, c, _, _, _ = lax.while_loop(more, step, start)
     return lax.stop_gradient(c)
 
 
@@ -120,14 +134,22 @@ def _convolve(left: jax.Array, right: jax.Array, width: int) -> jax.Array:
             span = min(w_right, width - a)
             out = out + _pad_last(left[..., a : a + 1] * right[..., :span], a, width - a - span)
         return out
-    # shifted[a][j] = right[j - a]: a window of right padded by `width` zeros on both sides.
-    padded = _pad_last(right[..., :width], width, width + max(0, width - w_right))
+    # shifted[a][j] = right[j - a]: a window of right padded by zeros on both sides. The
+    # shifts are taken _SHIFTS_PER_STEP at a time (left padded with zero weights), so that
+    # XLA fuses them into one pass over the output per loop step.
+    steps = -(-w_left // _SHIFTS_PER_STEP)
+    left = _pad_last(left, 0, steps * _SHIFTS_PER_STEP - w_left)
+    before = max(width, steps * _SHIFTS_PER_STEP)
+    padded = _pad_last(right[..., :width], before, width + max(0, width - w_right))
 
-    def add_shift(a, out):
-        shifted = lax.dynamic_slice_in_dim(padded, width - a, width, axis=-1)
-        return out + lax.dynamic_slice_in_dim(left, a, 1, axis=-1) * shifted
+    def add_shifts(step, out):
+        for shift in range(_SHIFTS_PER_STEP):
+            a = step * _SHIFTS_PER_STEP + shift
+            shifted = lax.dynamic_slice_in_dim(padded, before - a, width, axis=-1)
+            out = out + lax.dynamic_slice_in_dim(left, a, 1, axis=-1) * shifted
+        return out
 
-    return lax.fori_loop(0, w_left, add_shift, jnp.zeros(left.shape[:-1] + (width,), left.dtype))
+    return lax.fori_loop(0, steps, add_shifts, jnp.zeros(left.shape[:-1] + (width,), left.dtype))
 
 
 def _correlate(outside: jax.Array, right: jax.Array, width: int) -> jax.Array:
@@ -141,12 +163,19 @@ def _correlate(outside: jax.Array, right: jax.Array, width: int) -> jax.Array:
             out = out + padded[..., b : b + width] * right[..., b : b + 1]
         return out
 
-    def add_shift(b, out):
-        window = lax.dynamic_slice_in_dim(padded, b, width, axis=-1)
-        return out + window * lax.dynamic_slice_in_dim(right, b, 1, axis=-1)
+    steps = -(-w_right // _SHIFTS_PER_STEP)
+    right = _pad_last(right, 0, steps * _SHIFTS_PER_STEP - w_right)
+    padded = _pad_last(padded, 0, steps * _SHIFTS_PER_STEP - w_right)
+
+    def add_shifts(step, out):
+        for shift in range(_SHIFTS_PER_STEP):
+            b = step * _SHIFTS_PER_STEP + shift
+            window = lax.dynamic_slice_in_dim(padded, b, width, axis=-1)
+            out = out + window * lax.dynamic_slice_in_dim(right, b, 1, axis=-1)
+        return out
 
     zeros = jnp.zeros(outside.shape[:-1] + (width,), outside.dtype)
-    return lax.fori_loop(0, w_right, add_shift, zeros)
+    return lax.fori_loop(0, steps, add_shifts, zeros)
 
 
 def _rescale(table: jax.Array) -> tuple[jax.Array, jax.Array]:
