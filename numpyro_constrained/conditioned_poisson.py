@@ -24,15 +24,13 @@ from numpyro.distributions.distribution import Distribution
 from numpyro.distributions.kl import kl_divergence
 from numpyro.util import not_jax_tracer
 
+from constrained_ppl_common.binomial_tails import bennett_deviation, entropy_log_inverse_tail
+
 __all__ = ["ConditionedPoisson", "integer_composition", "positive_finite"]
 
 # Draw categorical indices (O(k log n) per event) unless k is this many times larger than n,
 # where n sequential binomial draws (O(n) per event) are cheaper.
 SEQUENTIAL_BINOMIAL_MIN_K_PER_CATEGORY = 32
-
-# The entropy drops binomial terms whose total mass, times log(k!), is below this fraction
-# of the working precision (see `_entropy_log_inverse_tail`).
-_ENTROPY_TRUNCATION_FRACTION_OF_EPS = 1e-2
 
 
 class _PositiveFinite(constraints.Constraint):
@@ -102,46 +100,6 @@ class _IntegerComposition(constraints.Constraint):
 integer_composition = _IntegerComposition
 
 
-def _bennett_deviation(variance: float, log_inverse_tail: float) -> float:
-    """Smallest t with ``exp(-v h(t / v)) <= exp(-log_inverse_tail)``, ``h(u) = (1+u)log(1+u) - u``.
-
-    Bennett's inequality for a sum of independent variables with increments bounded by 1
-    and total variance ``v`` (a Binomial(k, p) count: ``v = k p (1 - p)``) bounds each tail:
-    ``P(Z - E Z >= t) <= exp(-v h(t / v))`` and the same for ``E Z - Z``. The bound is
-    decreasing in ``v``, so the largest variance of a batch covers every element of it.
-    """
-    if variance <= 0.0:
-        return 0.0
-
-    def exponent(t: float) -> float:
-        u = t / variance
-        return variance * ((1.0 + u) * math.log1p(u) - u)
-
-    high = 1.0
-    while exponent(high) < log_inverse_tail:
-        high *= 2.0
-    low = 0.0
-    for _ in range(60):
-        mid = 0.5 * (low + high)
-        if exponent(mid) < log_inverse_tail:
-            low = mid
-        else:
-            high = mid
-    return high
-
-
-def _entropy_log_inverse_tail(n: int, k_max: int, eps: float) -> float:
-    """``L`` such that dropping outcomes of mass ``2 exp(-L)`` from each coordinate changes
-    ``sum_i E[log z_i!]`` by at most ``_ENTROPY_TRUNCATION_FRACTION_OF_EPS * eps``.
-
-    Each dropped term is ``pmf(j) log j!`` with ``log j! <= log k!``, and renormalising the
-    kept mass ``1 - delta`` (``delta <= 2 exp(-L)``) changes the kept sum by at most
-    ``delta / (1 - delta) log k!``, so the total error is at most ``4.1 n log(k!) exp(-L)``.
-    """
-    log_k_factorial = max(math.lgamma(k_max + 1.0), 1.0)
-    return math.log(4.1 * n * log_k_factorial / (_ENTROPY_TRUNCATION_FRACTION_OF_EPS * eps))
-
-
 def _finite_log_zero(dtype) -> float:
     """A finite stand-in for ``log 0``: up to 1e8 times it, ``exp`` still underflows to 0, and
     unlike ``-inf`` it gives 0 (not NaN) times 0 and in gradients."""
@@ -174,12 +132,12 @@ def _entropy_window(rate, k, k_max: int) -> tuple[int, int]:
 
     A window ``[floor(mean) - half_width, floor(mean) + half_width + 1]`` clipped to
     ``[0, k]`` holds every outcome within ``t`` of the mean, ``t`` from Bennett's
-    inequality (`_bennett_deviation`) at the largest variance in the batch when ``rate``
+    inequality (`bennett_deviation`) at the largest variance in the batch when ``rate``
     and ``k`` are concrete, else at the bound ``k p (1 - p) <= k_max / 4``.
     """
     n = rate.shape[-1]
     eps = float(jnp.finfo(rate.dtype).eps)
-    log_inverse_tail = _entropy_log_inverse_tail(n, k_max, eps)
+    log_inverse_tail = entropy_log_inverse_tail(n, k_max, eps)
     concrete = not_jax_tracer(rate) and not_jax_tracer(k) and rate.size > 0
     if concrete:
         rate_np = np.asarray(rate, dtype=np.float64)
@@ -190,7 +148,7 @@ def _entropy_window(rate, k, k_max: int) -> tuple[int, int]:
     else:
         max_variance = k_max / 4.0
     # +1: floor(mean) may be off by one from the exact floor through rounding.
-    half_width = math.ceil(_bennett_deviation(max_variance, log_inverse_tail)) + 1
+    half_width = math.ceil(bennett_deviation(max_variance, log_inverse_tail)) + 1
     if concrete:
         floor_mean = np.floor(mean)
         first = np.maximum(floor_mean - half_width, 0)
@@ -205,7 +163,7 @@ def _entropy_window(rate, k, k_max: int) -> tuple[int, int]:
 def _expected_log_factorials(rate, k, *, k_max: int, half_width: int, width: int):
     """``E[log z_i!]`` for ``z_i ~ Binomial(k, p_i)``, per coordinate, over the outcome
     windows of `_entropy_window`; the outcomes outside them are dropped, see
-    `_entropy_log_inverse_tail`. ``log m!`` is computed in ``rate``'s dtype."""
+    `entropy_log_inverse_tail`. ``log m!`` is computed in ``rate``'s dtype."""
     dtype = rate.dtype
     p, log_p, log1m_p = _log_p_and_log1m_p(rate)
     k_event = jnp.broadcast_to(jnp.expand_dims(k, -1), p.shape).astype(jnp.result_type(int))
@@ -485,7 +443,7 @@ class ConditionedPoisson(Distribution):
 
         The expectations sum only over binomial outcomes within a Bennett-inequality window
         around each mean; the dropped terms total at most ``0.01`` times the machine epsilon
-        of ``rate``'s dtype (absolute), see `_entropy_log_inverse_tail`. ``log m!`` is
+        of ``rate``'s dtype (absolute), see `entropy_log_inverse_tail`. ``log m!`` is
         computed in ``rate``'s dtype. Under ``jit`` with a traced ``k``, needs ``k_max``.
         """
         if self.k_max is None:

@@ -16,15 +16,13 @@ from pyro.distributions import Binomial, TorchDistribution
 from torch.distributions import constraints
 from torch.distributions.kl import register_kl
 
+from constrained_ppl_common.binomial_tails import bennett_deviation, entropy_log_inverse_tail
+
 __all__ = ["ConditionedPoisson", "integer_composition", "positive_finite"]
 
 # Draw categorical indices (O(k log n) per event) unless k is this many times larger than n,
 # where n sequential binomial draws (O(n) per event) are cheaper.
 SEQUENTIAL_BINOMIAL_MIN_K_PER_CATEGORY = 32
-
-# The entropy drops binomial terms whose total mass, times log(k!), is below this fraction
-# of the working precision (see `_entropy_log_inverse_tail`).
-_ENTROPY_TRUNCATION_FRACTION_OF_EPS = 1e-2
 
 _EMPTY_SIZE = torch.Size()
 
@@ -77,46 +75,6 @@ def _is_integer_composition(
     return is_nonnegative & is_integer & (value.sum(-1) == total), is_nonnegative
 
 
-def _bennett_deviation(variance: float, log_inverse_tail: float) -> float:
-    """Smallest t with ``exp(-v h(t / v)) <= exp(-log_inverse_tail)``, ``h(u) = (1+u)log(1+u) - u``.
-
-    Bennett's inequality for a sum of independent variables with increments bounded by 1
-    and total variance ``v`` (a Binomial(k, p) count: ``v = k p (1 - p)``) bounds each tail:
-    ``P(Z - E Z >= t) <= exp(-v h(t / v))`` and the same for ``E Z - Z``. The bound is
-    decreasing in ``v``, so the largest variance of a batch covers every element of it.
-    """
-    if variance <= 0.0:
-        return 0.0
-
-    def exponent(t: float) -> float:
-        u = t / variance
-        return variance * ((1.0 + u) * math.log1p(u) - u)
-
-    high = 1.0
-    while exponent(high) < log_inverse_tail:
-        high *= 2.0
-    low = 0.0
-    for _ in range(60):
-        mid = 0.5 * (low + high)
-        if exponent(mid) < log_inverse_tail:
-            low = mid
-        else:
-            high = mid
-    return high
-
-
-def _entropy_log_inverse_tail(n: int, k_max: int, eps: float) -> float:
-    """``L`` such that dropping outcomes of mass ``2 exp(-L)`` from each coordinate changes
-    ``sum_i E[log z_i!]`` by at most ``_ENTROPY_TRUNCATION_FRACTION_OF_EPS * eps``.
-
-    Each dropped term is ``pmf(j) log j!`` with ``log j! <= log k!``, and renormalising the
-    kept mass ``1 - delta`` (``delta <= 2 exp(-L)``) changes the kept sum by at most
-    ``delta / (1 - delta) log k!``, so the total error is at most ``4.1 n log(k!) exp(-L)``.
-    """
-    log_k_factorial = max(math.lgamma(k_max + 1.0), 1.0)
-    return math.log(4.1 * n * log_k_factorial / (_ENTROPY_TRUNCATION_FRACTION_OF_EPS * eps))
-
-
 def _binomial_windows(
     mean: torch.Tensor, k: torch.Tensor, max_variance: float, log_inverse_tail: float
 ) -> tuple[torch.Tensor, int]:
@@ -127,7 +85,7 @@ def _binomial_windows(
     ``[first, first + width - 1]``; ``t`` comes from the largest variance, which bounds
     every element's tails. ``mean`` and ``k`` (long) broadcast; the width is a Python int.
     """
-    deviation = _bennett_deviation(max_variance, log_inverse_tail)
+    deviation = bennett_deviation(max_variance, log_inverse_tail)
     # +1: floor(mean) may be off by one from the exact floor through rounding.
     half_width = math.ceil(deviation) + 1
     floor_mean = mean.floor().long()
@@ -166,7 +124,7 @@ def _expected_log_factorials(rate: torch.Tensor, k: torch.Tensor) -> torch.Tenso
     """``E[log z_i!]`` for ``z_i ~ Binomial(k, p_i)``, per coordinate.
 
     Sums over the outcomes in `_binomial_windows`; the rest are dropped, see
-    `_entropy_log_inverse_tail`. ``rate`` has shape ``batch + (n,)``, ``k`` (long) ``batch``;
+    `entropy_log_inverse_tail`. ``rate`` has shape ``batch + (n,)``, ``k`` (long) ``batch``;
     ``log m!`` is computed in ``rate``'s dtype.
 
     With ``j = first + s``, ``log Binomial(j; k, p) = a + s log(p / (1-p)) - G[s]`` where
@@ -184,7 +142,7 @@ def _expected_log_factorials(rate: torch.Tensor, k: torch.Tensor) -> torch.Tenso
     with torch.no_grad():
         mean = k_event.to(dtype) * p
         max_variance = float((mean * (1 - p)).max()) if mean.numel() else 0.0
-        log_inverse_tail = _entropy_log_inverse_tail(n, k_max, torch.finfo(dtype).eps)
+        log_inverse_tail = entropy_log_inverse_tail(n, k_max, torch.finfo(dtype).eps)
         first, width = _binomial_windows(mean, k_event, max_variance, log_inverse_tail)
         pair_key = k_event * (k_max + 1) + first
         unique_keys, row_of_coordinate = torch.unique(pair_key, return_inverse=True)
@@ -452,7 +410,7 @@ class ConditionedPoisson(TorchDistribution):
 
         The expectations sum only over binomial outcomes within a Bennett-inequality window
         around each mean; the dropped terms total at most ``0.01`` times the machine epsilon
-        of ``rate``'s dtype (absolute), see `_entropy_log_inverse_tail`. ``log m!`` is computed in
+        of ``rate``'s dtype (absolute), see `entropy_log_inverse_tail`. ``log m!`` is computed in
         ``rate``'s dtype. Cost O(n w) per batch element with ``w <= k + 1`` the window width
         (about 20 for ``k = 100`` spread over ``n = 1000`` categories).
         """

@@ -1,0 +1,1 @@
+"""Framework-free helpers shared by ``pyro_constrained`` and ``numpyro_constrained``."""
