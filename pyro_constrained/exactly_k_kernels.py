@@ -55,6 +55,9 @@ _TILT_TOLERANCE = 1e-2
 # level at batch 256, n = 1000 on one CPU thread.
 _SHIFT_WIDTH = 8
 _SHIFT_WIDTH_FLOAT32 = 2
+# float64 outside tables of nodes at least this wide are computed by FFT (3-5x faster than
+# the direct sums from width 33 up; slower below).
+_FFT_WIDTH_FLOAT64 = 32
 
 
 def tilt(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -130,10 +133,15 @@ def _convolve(left: torch.Tensor, right: torch.Tensor, width: int) -> torch.Tens
 
 
 def _correlate(outside: torch.Tensor, right: torch.Tensor, width: int) -> torch.Tensor:
-    """out[..., a] = sum_b outside[..., a + b] right[..., b] for a < width."""
-    nodes = outside.shape[:-1]
+    """out[..., a] = sum_b outside[..., a + b] right[..., b] for a < width (``outside``
+    broadcasts against ``right`` in the dimensions before the last)."""
     w_right = right.shape[-1]
     outside = outside[..., : width + w_right - 1]
+    if outside.dtype != torch.float32 and w_right >= _FFT_WIDTH_FLOAT64:
+        return _correlate_by_fft(outside, right, width)
+    nodes = torch.broadcast_shapes(outside.shape[:-1], right.shape[:-1])
+    outside = outside.expand(nodes + outside.shape[-1:])
+    right = right.expand(nodes + right.shape[-1:])
     w_out = outside.shape[-1]
     if outside.dtype == torch.float32 and w_right > _SHIFT_WIDTH_FLOAT32:
         groups = outside.numel() // w_out
@@ -152,6 +160,33 @@ def _correlate(outside: torch.Tensor, right: torch.Tensor, width: int) -> torch.
         if span > 0:
             out[..., :span].addcmul_(outside[..., b : b + span], right[..., b : b + 1])
     return out
+
+
+def _correlate_by_fft(outside: torch.Tensor, right: torch.Tensor, width: int) -> torch.Tensor:
+    """``_correlate`` as a circular correlation of length >= width + w_right - 1 (so nothing
+    wraps around), with one transform of ``outside`` shared by everything it broadcasts to.
+
+    Its rounding error is about eps times the largest entry of the output (measured: 6e-16
+    relative in float64), not relative to each entry; it is used only for outside tables,
+    whose entries near the largest one are all the marginals depend on (MATH.md: the outside
+    table of a leaf is P(rest = k), P(rest = k - 1) up to a common factor, and tilting puts
+    k near the mode of the rest). Negative rounding noise is clamped to zero.
+    """
+    length = _fast_fft_length(width + right.shape[-1] - 1)
+    spectrum = torch.fft.rfft(outside, length) * torch.fft.rfft(right, length).conj()
+    return torch.fft.irfft(spectrum, length)[..., :width].clamp(min=0.0)
+
+
+def _fast_fft_length(size: int) -> int:
+    """The smallest integer >= size whose prime factors are 2, 3 and 5."""
+    while True:
+        rest = size
+        for prime in (2, 3, 5):
+            while rest % prime == 0:
+                rest //= prime
+        if rest == 1:
+            return size
+        size += 1
 
 
 def _rescale(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,8 +247,7 @@ def _downward(root_width: int, levels, k: torch.Tensor, dtype) -> torch.Tensor:
         batch, nodes, width = left.shape
         # Both children at once: the left one's sibling is `right` and vice versa.
         siblings = torch.stack([right, left], dim=2)
-        both = outside[:, :, None].expand(batch, nodes, 2, outside.shape[-1])
-        outside, _ = _rescale(_correlate(both, siblings, width))
+        outside, _ = _rescale(_correlate(outside[:, :, None], siblings, width))
         outside = outside.reshape(batch, 2 * nodes, width)
         if padded:
             outside = outside[:, :-1]

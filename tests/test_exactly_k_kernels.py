@@ -83,6 +83,24 @@ def test_large_n_matches_scipy_poisson_binomial(framework):
             assert abs(mu[row, i] - probs[row, i] * rest / np.exp(log_pk)) < 1e-9
 
 
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_tiny_marginals_keep_their_relative_precision_in_wide_float64_tables(framework):
+    """Logits ~ N(-1, 20^2) give marginals down to 1e-60 (below 1e-20 in every row); with k_max = n = 200 the tree's
+    upper nodes are wide (torch computes their outside tables by FFT, whose rounding error is
+    relative to each table's largest entry). Every marginal, the smallest included, must
+    still match the log-space recursion to 1e-12 relative."""
+    rng = np.random.default_rng(7)
+    n = 200
+    logits = rng.normal(-1.0, 20.0, size=(3, n))
+    ks = np.array([1, 40, 120])
+    _, mu = _run(framework, logits, ks, n)
+    for row, k in enumerate(ks):
+        indices = np.r_[np.argsort(mu[row])[:5], 0, 1, 2]
+        expected = oracle.exactly_k_log_marginals(logits[row], k, indices)
+        assert mu[row, indices].min() < 1e-20  # the case this test is about
+        np.testing.assert_allclose(np.log(mu[row, indices]), expected, rtol=0, atol=1e-12)
+
+
 @functools.cache
 def _wide_problem():
     """Logits ~ N(-1, 6^2) for n = 300 and n = 1000 with k across 0..n, in one (rows, 1000)

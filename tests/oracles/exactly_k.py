@@ -51,6 +51,31 @@ def exactly_k_marginals(logits, k: int) -> np.ndarray:
     return probs @ subsets
 
 
+def log_elementary_symmetric(logits, k: int) -> np.ndarray:
+    """log e_j(exp logits) for j = 0..k by the sequential log-space recursion
+    e_j(x_1..x_i) = e_j(x_1..x_{i-1}) + exp(x_i) e_{j-1}(x_1..x_{i-1}) (finite logits): exact
+    to float64 relative precision for values far below the smallest float64."""
+    table = np.full(k + 1, -np.inf)
+    table[0] = 0.0
+    for logit in np.asarray(logits, dtype=np.float64):
+        table[1:] = np.logaddexp(table[1:], logit + table[:-1])
+    return table
+
+
+def exactly_k_log_marginals(logits, k: int, indices) -> np.ndarray:
+    """log P(z_i = 1 | sum z = k) = logits_i + log e_{k-1}(rest) - log e_k(all) for the given
+    indices, by the log-space recursion (n up to a few hundred), so that marginals far below
+    float64's smallest number are still compared to full relative precision."""
+    logits = np.asarray(logits, dtype=np.float64)
+    log_norm = log_elementary_symmetric(logits, k)[k]
+    return np.array(
+        [
+            logits[i] + log_elementary_symmetric(np.delete(logits, i), k - 1)[k - 1] - log_norm
+            for i in indices
+        ]
+    )
+
+
 def exactly_k_entropy(logits, k: int) -> float:
     """-sum_z p(z) log p(z) over the support, by enumeration."""
     _, probs = exactly_k_pmf(logits, k)
