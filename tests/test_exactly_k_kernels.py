@@ -85,10 +85,10 @@ def test_large_n_matches_scipy_poisson_binomial(framework):
 
 @pytest.mark.parametrize("framework", ["torch", "jax"])
 def test_tiny_marginals_keep_their_relative_precision_in_wide_float64_tables(framework):
-    """Logits ~ N(-1, 20^2) give marginals down to 1e-60 (below 1e-20 in every row); with k_max = n = 200 the tree's
-    upper nodes are wide (torch computes their outside tables by FFT, whose rounding error is
-    relative to each table's largest entry). Every marginal, the smallest included, must
-    still match the log-space recursion to 1e-12 relative."""
+    """Logits ~ N(-1, 20^2) give marginals down to 1e-60 (below 1e-20 in every row); with
+    k_max = n = 200 the tree's upper nodes are wide (torch computes their outside tables by
+    FFT, whose rounding error is relative to each table's largest entry). Every marginal, the
+    smallest included, must still match the log-space recursion to 1e-12 relative."""
     rng = np.random.default_rng(7)
     n = 200
     logits = rng.normal(-1.0, 20.0, size=(3, n))
