@@ -44,6 +44,8 @@ nodes but its rounding error is relative to a table's largest entry, which loses
 entries (see benchmarks/README.md).
 """
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -58,42 +60,46 @@ _SHIFT_WIDTH_FLOAT32 = 2
 # float64 outside tables of nodes at least this wide are computed by FFT (3-5x faster than
 # the direct sums from width 33 up; slower below).
 _FFT_WIDTH_FLOAT64 = 32
+# Tables at most this wide are stored width-major (see _Level), wider ones node-major.
+_NARROW = 16
 
 
 def tilt(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """A constant c per batch element (shape ``batch + (1,)``, no gradient) with
     ``sum_i sigmoid(logits_i + c) ~= k``.
 
-    Newton's method on ``g(c) = log f(c) - log(m - f(c))``, f the expected count and m the
-    number of finite logits: g is increasing and close to linear with slope 1 in both tails
-    (where Newton on f itself crawls), and exactly linear when m = 1. Steps that leave the
-    bracket ``[logit(t/m) - max x, logit(t/m) - min x]``, which provably holds the root,
-    are replaced by bisection, and the iteration stops once every step is below
-    ``_TILT_TOLERANCE`` (usually after 3 steps). The target count t is clamped to
-    [1/2, m - 1/2] because the exact solution is infinite for k = 0 and k = m; any finite c
-    leaves the distribution unchanged, and the tables only need c roughly right.
+    Newton's method on ``g(c) = log f(c) - log(n - f(c))``, f the expected count: g is
+    increasing and close to linear with slope 1 in both tails (where Newton on f itself
+    crawls). ``n - f`` is summed as ``sum_i sigmoid(-(logits_i + c))``, exact where f is close
+    to n, and counts each ``-inf`` logit (never on) as exactly 1, so no mask is needed. Steps
+    that leave the bracket ``[logit(t/m) - max x, logit(t/m) - min x]`` (m the number of finite
+    logits), which provably holds the root, are replaced by bisection, and the iteration stops
+    once every step is below ``_TILT_TOLERANCE`` (usually after 3 steps). The target count t
+    is clamped to [1/2, m - 1/2] because the exact solution is infinite for k = 0 and k = m;
+    any finite c leaves the distribution unchanged, and the tables only need c roughly right.
     """
     with torch.no_grad():
         logits = logits.detach()
-        finite = torch.isfinite(logits)
+        n = logits.shape[-1]
+        finite = logits > -torch.inf  # the caller allows no +inf or NaN
         num_finite = finite.sum(-1, keepdim=True).to(logits.dtype)
         m = num_finite.clamp(min=1.0)
         target = torch.minimum(k.to(logits.dtype)[..., None].clamp(min=0.5), m - 0.5)
         target = target.clamp(min=0.25)  # m = 1: any c in a wide range will do
         largest = logits.amax(-1, keepdim=True)
         smallest = torch.where(finite, logits, torch.inf).amin(-1, keepdim=True)
-        goal = torch.log(target) - torch.log(m - target)
-        low = torch.where(num_finite > 0, goal - largest, 0.0)
-        high = torch.where(num_finite > 0, goal - smallest, 0.0)
+        center = torch.log(target) - torch.log(m - target)
+        low = torch.where(num_finite > 0, center - largest, 0.0)
+        high = torch.where(num_finite > 0, center - smallest, 0.0)
+        goal = torch.log(target) - torch.log(n - target)
         c = 0.5 * (low + high)
         for _ in range(_TILT_STEPS):
-            # One sigmoid per step: 1 - on is exact to an absolute eps, which only matters
-            # where the off-count is tiny, far from the root (the bracket catches it).
-            on = torch.sigmoid(logits + c)
-            off = torch.where(finite, 1.0 - on, 0.0)
+            shifted = logits + c
+            on = torch.sigmoid(shifted)
+            off = torch.sigmoid(shifted.neg_())
             count_on = on.sum(-1, keepdim=True)
             count_off = off.sum(-1, keepdim=True)
-            slope = (on * off).sum(-1, keepdim=True)
+            slope = on.mul_(off).sum(-1, keepdim=True)
             g = torch.log(count_on) - torch.log(count_off)
             too_many = g > goal
             high = torch.where(too_many, c, high)
@@ -189,68 +195,127 @@ def _fast_fft_length(size: int) -> int:
         size += 1
 
 
-def _rescale(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(table / its largest entry, log of that entry) per node, with entries below
-    sqrt(tiny) of the largest set to zero (so products of two entries are never denormal).
+def _shift_and_add(left: torch.Tensor, right: torch.Tensor, width: int) -> torch.Tensor:
+    """``_convolve`` for tables stored width-major, (batch, width, nodes): each shift is one
+    in-place multiply-add over a contiguous slab of all nodes, which is what makes narrow,
+    numerous nodes cheap (in node-major storage every operation strides over a last dimension
+    of 2 to 16 entries)."""
+    w_left, w_right = min(left.shape[1], width), right.shape[1]
+    out = left.new_zeros(left.shape[:1] + (width,) + left.shape[2:])
+    for a in range(w_left):
+        span = min(w_right, width - a)
+        out[:, a : a + span].addcmul_(left[:, a : a + 1], right[:, :span])
+    return out
+
+
+def _shift_and_add_correlate(
+    outside: torch.Tensor, right: torch.Tensor, width: int
+) -> torch.Tensor:
+    """``_correlate`` for width-major tables: out[:, a] = sum_b outside[:, a + b] right[:, b]
+    (``outside`` broadcasts against ``right`` in the dimensions after the first two)."""
+    w_out, w_right = outside.shape[1], right.shape[1]
+    shape = (right.shape[0], width) + torch.broadcast_shapes(outside.shape[2:], right.shape[2:])
+    out = right.new_zeros(shape)
+    for b in range(w_right):
+        span = min(width, w_out - b)
+        if span > 0:
+            out[:, :span].addcmul_(outside[:, b : b + span], right[:, b : b + 1])
+    return out
+
+
+def _rescale(table: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(table / its largest entry, log of that entry) per node, the entries running along
+    ``dim``, with entries below sqrt(tiny) of the largest set to zero (so products of two
+    entries are never denormal).
 
     The factor is detached: every quantity computed from the tables is either invariant to
     it (marginals, sampling) or adds it back explicitly (the normaliser).
     """
     info = torch.finfo(table.dtype)
-    largest = table.detach().amax(-1, keepdim=True).clamp(min=info.tiny)
-    floor = largest * info.tiny**0.5
-    table = torch.where(table >= floor, table, 0.0) / largest
-    return table, torch.log(largest[..., 0])
+    largest = table.detach().amax(dim, keepdim=True).clamp(min=info.tiny)
+    return F.threshold(table / largest, info.tiny**0.5, 0.0), torch.log(largest.squeeze(dim))
 
 
-def _leaves(x: torch.Tensor, k_max: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _leaves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Leaf tables ``[1, exp(x_i)]`` divided by their largest entry exp(max(x_i, 0)):
-    returns (``[exp(-max(x, 0)), exp(x - max(x, 0))]`` (unflushed), flushed tables truncated
-    at k_max, sum of the log factors)."""
+    returns (``[exp(-max(x, 0)), exp(x - max(x, 0))]`` (unflushed), the flushed tables
+    width-major, (batch, 2, n), and the sum of the log factors)."""
     shift = x.detach().clamp(min=0.0)
-    weights = torch.stack([torch.exp(-shift), torch.exp(x - shift)], dim=-1)
+    weights = torch.stack([torch.exp(-shift), torch.exp(x - shift)], dim=1)
     floor = torch.finfo(x.dtype).tiny ** 0.5
-    tables = torch.where(weights >= floor, weights, 0.0)[..., : k_max + 1]
+    tables = torch.where(weights >= floor, weights, 0.0)
     # The per-batch sums of log factors are accumulated in float64: in float32 they can be
     # large and nearly cancel against k c.
     return weights, tables, shift.to(torch.float64).sum(-1)
 
 
-def _upward(tables: torch.Tensor, k_max: int):
-    """Merge pairs of nodes until one is left. ``tables``: (batch, nodes, width).
+class _Level(NamedTuple):
+    """One level of the tree: node j of the level above is the parent of ``left`` node j and
+    ``right`` node j (the nodes of this level, split in halves); ``padded``: the last right
+    node is the table of an empty set, added to make the count even. Tables are width-major,
+    (batch, width, nodes), while they are at most ``_NARROW`` wide, and node-major,
+    (batch, nodes, width), above."""
 
-    Returns (root table (batch, width), per-level (left, right, padded) list from the leaves
-    up, sum of the kept log factors (batch,)).
+    left: torch.Tensor
+    right: torch.Tensor
+    padded: bool
+    node_major: bool
+
+
+def _upward(tables: torch.Tensor, k_max: int):
+    """Merge pairs of nodes until one is left. ``tables``: the leaves, (batch, 2, n).
+
+    Returns (root table (batch, width), the levels from the leaves up, the sum of the kept
+    log factors (batch,)).
     """
     levels = []
     log_scale = tables.new_zeros(tables.shape[0], dtype=torch.float64)
-    while tables.shape[1] > 1:
-        batch, nodes, width = tables.shape
-        padded = nodes % 2 == 1
+    node_major = False
+    while tables.shape[2 - node_major] > 1:
+        width = tables.shape[1 + node_major]
+        if not node_major and width > _NARROW:
+            tables, node_major = tables.transpose(1, 2).contiguous(), True
+        node_dim, width_dim = (1, 2) if node_major else (2, 1)
+        padded = tables.shape[node_dim] % 2 == 1
         if padded:  # pair the last node with the table of an empty set, [1, 0, ...]
-            empty = tables.new_zeros(batch, 1, width)
-            empty[..., 0] = 1.0
-            tables = torch.cat([tables, empty], dim=1)
-        pairs = tables.reshape(batch, -1, 2, width)
-        left, right = pairs[:, :, 0], pairs[:, :, 1]
-        merged = _convolve(left, right, min(2 * (width - 1), k_max) + 1)
-        tables, log_factor = _rescale(merged)
+            empty = torch.zeros_like(tables.narrow(node_dim, 0, 1))
+            empty.narrow(width_dim, 0, 1).fill_(1.0)
+            tables = torch.cat([tables, empty], dim=node_dim)
+        left, right = tables.chunk(2, dim=node_dim)
+        out_width = min(2 * (width - 1), k_max) + 1
+        if node_major:
+            merged = _convolve(left, right, out_width)
+        else:
+            merged = _shift_and_add(left, right, out_width)
+        tables, log_factor = _rescale(merged, width_dim)
         log_scale = log_scale + log_factor.to(torch.float64).sum(-1)
-        levels.append((left, right, padded))
-    return tables[:, 0], levels, log_scale
+        levels.append(_Level(left, right, padded, node_major))
+    root = tables[:, 0] if node_major else tables[:, :, 0]
+    return root, levels, log_scale
 
 
 def _downward(root_width: int, levels, k: torch.Tensor, dtype) -> torch.Tensor:
-    """Outside tables of the leaves, (batch, n, width of a leaf), up to a factor per leaf."""
-    outside = F.one_hot(k.long(), root_width).to(dtype)[:, None, :]
-    for left, right, padded in reversed(levels):
-        batch, nodes, width = left.shape
-        # Both children at once: the left one's sibling is `right` and vice versa.
-        siblings = torch.stack([right, left], dim=2)
-        outside, _ = _rescale(_correlate(outside[:, :, None], siblings, width))
-        outside = outside.reshape(batch, 2 * nodes, width)
+    """Outside tables of the leaves, width-major (batch, 2, n), up to a factor per leaf."""
+    outside = F.one_hot(k.long(), root_width).to(dtype)[:, None, :]  # node-major
+    node_major = True
+    for left, right, padded, level_node_major in reversed(levels):
+        if node_major and not level_node_major:
+            outside, node_major = outside.transpose(1, 2).contiguous(), False
+        # Both children at once: the left ones' siblings are `right` and vice versa.
+        if node_major:
+            batch, half, width = left.shape
+            siblings = torch.stack([right, left], dim=1)
+            tables = _correlate(outside[:, None], siblings, width)
+            outside, _ = _rescale(tables.reshape(batch, 2 * half, width), -1)
+        else:
+            batch, width, half = left.shape
+            siblings = torch.stack([right, left], dim=2)
+            tables = _shift_and_add_correlate(outside[:, :, None], siblings, width)
+            outside, _ = _rescale(tables.reshape(batch, width, 2 * half), 1)
         if padded:
-            outside = outside[:, :-1]
+            outside = outside[..., :-1, :] if node_major else outside[..., :-1]
+    if node_major:  # a single leaf
+        outside = outside.transpose(1, 2)
     return outside
 
 
@@ -265,7 +330,7 @@ def _prepare(logits: torch.Tensor, k: torch.Tensor, k_max: int):
     flat_logits, flat_k, batch_shape = _flatten(logits, k)
     c = tilt(flat_logits, flat_k)
     x = flat_logits + c
-    weights, leaf_tables, leaf_log_scale = _leaves(x, k_max)
+    weights, leaf_tables, leaf_log_scale = _leaves(x)
     root, levels, log_scale = _upward(leaf_tables, k_max)
     return flat_k, batch_shape, c[:, 0], weights, root, levels, leaf_log_scale + log_scale
 
@@ -281,8 +346,8 @@ def _log_normalizer(logits: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.
 
 
 def _leaf_marginals(weights: torch.Tensor, outside: torch.Tensor) -> torch.Tensor:
-    on = weights[..., 1] * outside[..., 1]
-    total = weights[..., 0] * outside[..., 0] + on
+    on = weights[:, 1] * outside[:, 1]
+    total = weights[:, 0] * outside[:, 0] + on
     return on / total.clamp(min=torch.finfo(total.dtype).tiny)
 
 
@@ -324,20 +389,23 @@ def marginals(logits: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tensor
 def _draw(root_k: torch.Tensor, levels, num_samples: int) -> torch.Tensor:
     """Counts of ones per leaf, (num_samples, batch, n), top-down from root counts (batch,)."""
     counts = root_k.long().expand(num_samples, -1)[..., None]
-    for left, right, padded in reversed(levels):
-        w_left, w_right = left.shape[-1], right.shape[-1]
-        split = torch.arange(w_left, device=left.device)
-        rest = counts[..., None] - split  # ones left for the right child
-        possible = (rest >= 0) & (rest < w_right)
-        right_at_rest = right.expand(num_samples, -1, -1, -1).gather(-1, rest.clamp(0, w_right - 1))
-        weight = torch.where(possible, left * right_at_rest, 0.0)
+    for left, right, padded, node_major in reversed(levels):
+        if not node_major:  # splits along the last dimension: (batch, half, width)
+            left, right = left.transpose(1, 2), right.transpose(1, 2)
+        w_left = left.shape[-1]
+        # Zeros on both sides of the right tables make every count of ones the right child
+        # could be asked for, c - m for c < w_left + w_right - 1 and m < w_left, an index.
+        right = F.pad(right, (w_left - 1, w_left - 1))
+        offsets = w_left - 1 - torch.arange(w_left, device=left.device)
+        rest = counts[..., None] + offsets  # index of c - m in the padded table
+        weight = left * right.expand((num_samples,) + right.shape).gather(-1, rest)
         cumulative = weight.cumsum(-1)
-        uniform = torch.rand(counts.shape + (1,), dtype=weight.dtype, device=weight.device)
-        ones_left = (cumulative <= uniform * cumulative[..., -1:]).sum(-1)
-        # Rounding can put u * total at the total: never pick a split of weight zero.
-        last_possible = w_left - 1 - (weight > 0).flip(-1).to(torch.uint8).argmax(-1)
-        ones_left = torch.minimum(ones_left, last_possible)
-        counts = torch.stack([ones_left, counts - ones_left], dim=-1).flatten(-2)
+        # The first split whose share of the total weight reaches 1 - u, u ~ U[0, 1): its own
+        # weight is positive, and the last share is exactly 1, so one always exists.
+        share = cumulative / cumulative[..., -1:]
+        uniform = torch.rand(share.shape[:-1] + (1,), dtype=share.dtype, device=share.device)
+        ones_left = torch.searchsorted(share, 1.0 - uniform)[..., 0]
+        counts = torch.cat([ones_left, counts - ones_left], dim=-1)
         if padded:
             counts = counts[..., :-1]
     return counts
@@ -350,7 +418,9 @@ def _sample_and_maybe_marginals(logits, k, k_max, sample_shape, with_marginals):
         return logits.new_zeros(out_shape).detach(), torch.zeros_like(logits)
     flat_k, _, _, weights, root, levels, _ = _prepare(logits, k, k_max)
     with torch.no_grad():
-        detached = [(left.detach(), right.detach(), padded) for left, right, padded in levels]
+        detached = [
+            level._replace(left=level.left.detach(), right=level.right.detach()) for level in levels
+        ]
         counts = _draw(flat_k, detached, sample_shape.numel())
         z = counts.to(logits.dtype).reshape(out_shape)
     mu = None

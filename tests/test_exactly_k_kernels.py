@@ -213,6 +213,31 @@ def test_samples_are_exact_k_hot_at_the_edges(framework, dtype):
     assert samples[:, 4, 3:].all()
 
 
+@pytest.mark.parametrize(
+    "framework, dtype", [("torch", np.float32), ("torch", np.float64), ("jax", np.float64)]
+)
+def test_sampled_pair_frequencies_match_scipy_at_n_64(framework, dtype):
+    """n = 64, k = 24: too many subsets to enumerate, and wide enough that the tree's upper
+    levels hold tables of 25 counts (torch stores them node-major, the lower ones width-major).
+    P(z_i = 1) and P(z_i = z_j = 1) from SciPy's Poisson-binomial pmf,
+    p_i p_j P_{-ij}(sum = k - 2) / P(sum = k), against the frequencies in 20000 draws; the
+    tolerance is 5 binomial standard errors."""
+    rng = np.random.default_rng(11)
+    n, k, num_samples = 64, 24, 20000
+    logits = rng.normal(0.0, 1.5, size=(1, n))
+    probs = special.expit(logits[0])
+    samples = _draw(framework, logits, np.array([k]), num_samples, dtype)[:, 0]
+    assert np.array_equal(samples.sum(-1), np.full(num_samples, k))
+    p_k = stats.poisson_binom(probs).pmf(k)
+    pairs = [(i, i) for i in range(n)] + [(0, 1), (5, 40), (62, 63), (17, 33)]
+    for i, j in pairs:
+        rest = stats.poisson_binom(np.delete(probs, sorted({i, j}))).pmf(k - len({i, j}))
+        expected = np.prod(probs[list({i, j})]) * rest / p_k
+        observed = np.mean(samples[:, i] * samples[:, j])
+        standard_error = np.sqrt(expected * (1.0 - expected) / num_samples)
+        assert abs(observed - expected) < 5.0 * standard_error, (i, j, observed, expected)
+
+
 @pytest.mark.parametrize("framework", ["torch", "jax"])
 def test_sample_and_marginals_share_tables_and_agree(framework):
     rng = np.random.default_rng(5)
