@@ -386,25 +386,38 @@ def marginals(logits: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tensor
     return _marginals_from(flat_k, weights, root, levels).reshape(logits.shape)
 
 
+def _ones_to_left(counts: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """For parents holding ``counts`` ones (num_samples, batch, half), a draw of how many go
+    to the left child: m with probability proportional to left[m] right[c - m]. Tables are
+    (batch, half, width)."""
+    w_left = left.shape[-1]
+    if w_left == 2 and right.shape[-1] == 2:  # pairs of leaves: only a count of 1 is random
+        on_left, on_right = left[..., 1] * right[..., 0], left[..., 0] * right[..., 1]
+        # A count of 1 was drawn with positive weight, so on_left + on_right > 0 there.
+        left_wins = on_left / (on_left + on_right)
+        uniform = torch.rand(counts.shape, dtype=left.dtype, device=left.device)
+        return torch.where(counts == 1, uniform < left_wins, counts == 2).long()
+    # Zeros on both sides of the right tables make every count of ones the right child could
+    # be asked for, c - m for c < w_left + w_right - 1 and m < w_left, an index.
+    right = F.pad(right, (w_left - 1, w_left - 1))
+    offsets = w_left - 1 - torch.arange(w_left, device=left.device)
+    rest = counts[..., None] + offsets  # index of c - m in the padded table
+    weight = left * right.expand(counts.shape[:1] + right.shape).gather(-1, rest)
+    cumulative = weight.cumsum(-1)
+    # The first split whose share of the total weight reaches 1 - u, u ~ U[0, 1): its own
+    # weight is positive, and the last share is exactly 1, so one always exists.
+    share = cumulative / cumulative[..., -1:]
+    uniform = torch.rand(counts.shape + (1,), dtype=share.dtype, device=share.device)
+    return torch.searchsorted(share, 1.0 - uniform)[..., 0]
+
+
 def _draw(root_k: torch.Tensor, levels, num_samples: int) -> torch.Tensor:
     """Counts of ones per leaf, (num_samples, batch, n), top-down from root counts (batch,)."""
     counts = root_k.long().expand(num_samples, -1)[..., None]
     for left, right, padded, node_major in reversed(levels):
-        if not node_major:  # splits along the last dimension: (batch, half, width)
+        if not node_major:
             left, right = left.transpose(1, 2), right.transpose(1, 2)
-        w_left = left.shape[-1]
-        # Zeros on both sides of the right tables make every count of ones the right child
-        # could be asked for, c - m for c < w_left + w_right - 1 and m < w_left, an index.
-        right = F.pad(right, (w_left - 1, w_left - 1))
-        offsets = w_left - 1 - torch.arange(w_left, device=left.device)
-        rest = counts[..., None] + offsets  # index of c - m in the padded table
-        weight = left * right.expand((num_samples,) + right.shape).gather(-1, rest)
-        cumulative = weight.cumsum(-1)
-        # The first split whose share of the total weight reaches 1 - u, u ~ U[0, 1): its own
-        # weight is positive, and the last share is exactly 1, so one always exists.
-        share = cumulative / cumulative[..., -1:]
-        uniform = torch.rand(share.shape[:-1] + (1,), dtype=share.dtype, device=share.device)
-        ones_left = torch.searchsorted(share, 1.0 - uniform)[..., 0]
+        ones_left = _ones_to_left(counts, left, right)
         counts = torch.cat([ones_left, counts - ones_left], dim=-1)
         if padded:
             counts = counts[..., :-1]
