@@ -70,8 +70,8 @@ def tilt(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
     Newton's method on ``g(c) = log f(c) - log(n - f(c))``, f the expected count: g is
     increasing and close to linear with slope 1 in both tails (where Newton on f itself
-    crawls). ``n - f`` is summed as ``sum_i sigmoid(-(logits_i + c))``, exact where f is close
-    to n, and counts each ``-inf`` logit (never on) as exactly 1, so no mask is needed. Steps
+    crawls). ``n - f`` counts each ``-inf`` logit (never on) as off, so no mask is needed; its
+    absolute error (eps per term) matters only where it is tiny, far from the root. Steps
     that leave the bracket ``[logit(t/m) - max x, logit(t/m) - min x]`` (m the number of finite
     logits), which provably holds the root, are replaced by bisection, and the iteration stops
     once every step is below ``_TILT_TOLERANCE`` (usually after 3 steps). The target count t
@@ -93,13 +93,15 @@ def tilt(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         high = torch.where(num_finite > 0, center - smallest, 0.0)
         goal = torch.log(target) - torch.log(n - target)
         c = 0.5 * (low + high)
+        # One buffer for all steps (fresh multi-megabyte tensors cost page faults); sums in
+        # float64, so that n - f keeps its precision when f is close to n.
+        on = torch.empty_like(logits)
         for _ in range(_TILT_STEPS):
-            shifted = logits + c
-            on = torch.sigmoid(shifted)
-            off = torch.sigmoid(shifted.neg_())
-            count_on = on.sum(-1, keepdim=True)
-            count_off = off.sum(-1, keepdim=True)
-            slope = on.mul_(off).sum(-1, keepdim=True)
+            torch.add(logits, c, out=on).sigmoid_()
+            count_on = on.sum(-1, keepdim=True, dtype=torch.float64)
+            count_off = n - count_on
+            slope = count_on - on.square_().sum(-1, keepdim=True, dtype=torch.float64)
+            count_on, count_off, slope = (t.to(logits.dtype) for t in (count_on, count_off, slope))
             g = torch.log(count_on) - torch.log(count_off)
             too_many = g > goal
             high = torch.where(too_many, c, high)
@@ -226,14 +228,17 @@ def _shift_and_add_correlate(
 def _rescale(table: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """(table / its largest entry, log of that entry) per node, the entries running along
     ``dim``, with entries below sqrt(tiny) of the largest set to zero (so products of two
-    entries are never denormal).
+    entries are never denormal). ``table`` is overwritten.
 
     The factor is detached: every quantity computed from the tables is either invariant to
     it (marginals, sampling) or adds it back explicitly (the normaliser).
     """
     info = torch.finfo(table.dtype)
     largest = table.detach().amax(dim, keepdim=True).clamp(min=info.tiny)
-    return F.threshold(table / largest, info.tiny**0.5, 0.0), torch.log(largest.squeeze(dim))
+    # In place (autograd allows it: neither operation's input is saved for its backward):
+    # fresh multi-megabyte tensors cost page faults.
+    table = F.threshold(table.div_(largest), info.tiny**0.5, 0.0, inplace=True)
+    return table, torch.log(largest.squeeze(dim))
 
 
 def _leaves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -241,12 +246,13 @@ def _leaves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     returns (``[exp(-max(x, 0)), exp(x - max(x, 0))]`` (unflushed), the flushed tables
     width-major, (batch, 2, n), and the sum of the log factors)."""
     shift = x.detach().clamp(min=0.0)
-    weights = torch.stack([torch.exp(-shift), torch.exp(x - shift)], dim=1)
-    floor = torch.finfo(x.dtype).tiny ** 0.5
-    tables = torch.where(weights >= floor, weights, 0.0)
     # The per-batch sums of log factors are accumulated in float64: in float32 they can be
     # large and nearly cancel against k c.
-    return weights, tables, shift.to(torch.float64).sum(-1)
+    log_scale = shift.sum(-1, dtype=torch.float64)
+    on = (x - shift).exp_()
+    weights = torch.stack([shift.neg_().exp_(), on], dim=1)
+    tables = F.threshold(weights, torch.finfo(x.dtype).tiny ** 0.5, 0.0)
+    return weights, tables, log_scale
 
 
 class _Level(NamedTuple):
