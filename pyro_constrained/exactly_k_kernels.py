@@ -44,7 +44,6 @@ nodes but its rounding error is relative to a table's largest entry, which loses
 entries (see benchmarks/README.md).
 """
 
-import math
 from typing import NamedTuple
 
 import torch
@@ -63,8 +62,8 @@ _SHIFT_WIDTH_FLOAT32 = 2
 _FFT_WIDTH_FLOAT64 = 32
 # Tables at most this wide are stored width-major (see _Level), wider ones node-major.
 _NARROW = 16
-# Output entries per block of batch rows in the float64 direct sums (see _in_batch_blocks).
-_BLOCK_ENTRIES = 98304
+# Bytes of output per block of batch rows (see _in_batch_blocks).
+_BLOCK_BYTES = 786432
 
 
 def tilt(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -143,20 +142,21 @@ def _convolve(left: torch.Tensor, right: torch.Tensor, width: int) -> torch.Tens
     return out
 
 
-def _in_batch_blocks(function, width: int, *tables: torch.Tensor) -> torch.Tensor:
-    """``function(*tables, width)`` computed on blocks of the batch (first) dimension of
-    about ``_BLOCK_ENTRIES`` output entries each, concatenated: the float64 direct sums make
-    one pass over their output per shift, and a block's output stays in cache between
-    passes (2x faster on the wide, numerous nodes of n = 10000)."""
+def _in_batch_blocks(function, tables: tuple[torch.Tensor, ...], entries_per_row: int):
+    """``function(*tables)`` computed on blocks of the batch (first) dimension of about
+    ``_BLOCK_BYTES`` per block of output, and concatenated (outputs: a tensor or a tuple of
+    tensors). The direct sums make one pass over their output per shift, and a block's
+    output stays in cache between passes (2x faster at n = 10000)."""
     batch = tables[0].shape[0]
-    per_row = width * math.prod(torch.broadcast_shapes(*(t.shape[1:-1] for t in tables)))
-    rows = max(1, _BLOCK_ENTRIES // per_row)
-    if tables[0].dtype == torch.float32 or rows >= batch:
-        return function(*tables, width)
+    rows = max(1, _BLOCK_BYTES // (entries_per_row * tables[0].element_size()))
+    if rows >= batch:
+        return function(*tables)
     blocks = [
-        function(*(table[start : start + rows] for table in tables), width)
+        function(*(table[start : start + rows] for table in tables))
         for start in range(0, batch, rows)
     ]
+    if isinstance(blocks[0], tuple):
+        return tuple(torch.cat(parts) for parts in zip(*blocks, strict=True))
     return torch.cat(blocks)
 
 
@@ -288,6 +288,35 @@ class _Level(NamedTuple):
     node_major: bool
 
 
+def _merge(left: torch.Tensor, right: torch.Tensor, width: int, node_major: bool):
+    """The rescaled tables of the parents of ``left`` and ``right``, and their factors."""
+    if node_major:
+        return _rescale(_convolve(left, right, width), -1)
+    return _rescale(_shift_and_add(left, right, width), 1)
+
+
+def _outside_of_children(
+    outside: torch.Tensor, left: torch.Tensor, right: torch.Tensor, node_major: bool
+) -> torch.Tensor:
+    """The rescaled outside tables of the children (the left ones, then the right ones)
+    from their parents' ``outside`` tables: each is correlated with its sibling's table."""
+    if node_major:
+        batch, half, width = left.shape
+        siblings = torch.stack([right, left], dim=1)
+        tables = _correlate(outside[:, None], siblings, width)
+        return _rescale(tables.reshape(batch, 2 * half, width), -1)[0]
+    batch, width, half = left.shape
+    siblings = torch.stack([right, left], dim=2)
+    tables = _shift_and_add_correlate(outside[:, :, None], siblings, width)
+    return _rescale(tables.reshape(batch, width, 2 * half), 1)[0]
+
+
+def _blocked(table: torch.Tensor, node_major: bool) -> bool:
+    # Measured: width-major levels make few passes (their tables are narrow), so blocks only
+    # add overhead there; float32 node-major levels are one oneDNN convolution each.
+    return node_major and table.dtype != torch.float32
+
+
 def _upward(tables: torch.Tensor, k_max: int):
     """Merge pairs of nodes until one is left. ``tables``: the leaves, (batch, 2, n).
 
@@ -309,11 +338,15 @@ def _upward(tables: torch.Tensor, k_max: int):
             tables = torch.cat([tables, empty], dim=node_dim)
         left, right = tables.chunk(2, dim=node_dim)
         out_width = min(2 * (width - 1), k_max) + 1
-        if node_major:
-            merged = _in_batch_blocks(_convolve, out_width, left, right)
+
+        def merge(left, right, out_width=out_width, node_major=node_major):
+            return _merge(left, right, out_width, node_major)
+
+        if _blocked(tables, node_major):
+            per_row = out_width * left.shape[node_dim]
+            tables, factor = _in_batch_blocks(merge, (left, right), per_row)
         else:
-            merged = _shift_and_add(left, right, out_width)
-        tables, factor = _rescale(merged, width_dim)
+            tables, factor = merge(left, right)
         log_scale = log_scale + torch.log(factor).sum(-1, dtype=torch.float64)
         levels.append(_Level(left, right, padded, node_major))
     root = tables[:, 0] if node_major else tables[:, :, 0]
@@ -327,17 +360,15 @@ def _downward(root_width: int, levels, k: torch.Tensor, dtype) -> torch.Tensor:
     for left, right, padded, level_node_major in reversed(levels):
         if node_major and not level_node_major:
             outside, node_major = outside.transpose(1, 2).contiguous(), False
-        # Both children at once: the left ones' siblings are `right` and vice versa.
-        if node_major:
-            batch, half, width = left.shape
-            siblings = torch.stack([right, left], dim=1)
-            tables = _in_batch_blocks(_correlate, width, outside[:, None], siblings)
-            outside, _ = _rescale(tables.reshape(batch, 2 * half, width), -1)
+
+        def split(outside, left, right, node_major=node_major):
+            return _outside_of_children(outside, left, right, node_major)
+
+        if _blocked(outside, node_major):
+            per_row = 2 * left.numel() // left.shape[0]
+            outside = _in_batch_blocks(split, (outside, left, right), per_row)
         else:
-            batch, width, half = left.shape
-            siblings = torch.stack([right, left], dim=2)
-            tables = _shift_and_add_correlate(outside[:, :, None], siblings, width)
-            outside, _ = _rescale(tables.reshape(batch, width, 2 * half), 1)
+            outside = split(outside, left, right)
         if padded:
             outside = outside[..., :-1, :] if node_major else outside[..., :-1]
     if node_major:  # a single leaf
@@ -413,22 +444,23 @@ def marginals(logits: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tensor
 
 
 def _ones_to_left(counts: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
-    """For parents holding ``counts`` ones (num_samples, batch, half), a draw of how many go
+    """For parents holding ``counts`` ones (batch, num_samples, half), a draw of how many go
     to the left child: m with probability proportional to left[m] right[c - m]. Tables are
     (batch, half, width)."""
     w_left = left.shape[-1]
+    left = left[:, None]
     if w_left == 2 and right.shape[-1] == 2:  # pairs of leaves: only a count of 1 is random
-        on_left, on_right = left[..., 1] * right[..., 0], left[..., 0] * right[..., 1]
+        on_left, on_right = left[..., 1] * right[:, None, :, 0], left[..., 0] * right[:, None, :, 1]
         # A count of 1 was drawn with positive weight, so on_left + on_right > 0 there.
         left_wins = on_left / (on_left + on_right)
         uniform = torch.rand(counts.shape, dtype=left.dtype, device=left.device)
         return torch.where(counts == 1, uniform < left_wins, counts == 2).long()
     # Zeros on both sides of the right tables make every count of ones the right child could
     # be asked for, c - m for c < w_left + w_right - 1 and m < w_left, an index.
-    right = F.pad(right, (w_left - 1, w_left - 1))
+    right = F.pad(right, (w_left - 1, w_left - 1))[:, None]
     offsets = w_left - 1 - torch.arange(w_left, device=left.device)
     rest = counts[..., None] + offsets  # index of c - m in the padded table
-    weight = left * right.expand(counts.shape[:1] + right.shape).gather(-1, rest)
+    weight = left * right.expand(counts.shape + right.shape[-1:]).gather(-1, rest)
     cumulative = weight.cumsum(-1)
     # The first split whose share of the total weight reaches 1 - u, u ~ U[0, 1): its own
     # weight is positive, and the last share is exactly 1, so one always exists.
@@ -439,15 +471,16 @@ def _ones_to_left(counts: torch.Tensor, left: torch.Tensor, right: torch.Tensor)
 
 def _draw(root_k: torch.Tensor, levels, num_samples: int) -> torch.Tensor:
     """Counts of ones per leaf, (num_samples, batch, n), top-down from root counts (batch,)."""
-    counts = root_k.long().expand(num_samples, -1)[..., None]
+    counts = root_k.long()[:, None, None].expand(-1, num_samples, 1)  # (batch, samples, nodes)
     for left, right, padded, node_major in reversed(levels):
         if not node_major:
             left, right = left.transpose(1, 2), right.transpose(1, 2)
-        ones_left = _ones_to_left(counts, left, right)
+        per_row = num_samples * left.numel() // left.shape[0]
+        ones_left = _in_batch_blocks(_ones_to_left, (counts, left, right), per_row)
         counts = torch.cat([ones_left, counts - ones_left], dim=-1)
         if padded:
             counts = counts[..., :-1]
-    return counts
+    return counts.transpose(0, 1)
 
 
 def _sample_and_maybe_marginals(logits, k, k_max, sample_shape, with_marginals):
