@@ -38,10 +38,23 @@ Method (SIMPLE Algorithms 4 and 5, in scaled linear space):
   left child m of them with probability proportional to ``left[m] right[c - m]``, down to
   the leaves.
 
-Convolutions are computed directly (sums of positive products: every entry keeps its
-relative precision). An FFT was measured while writing this module; it is faster for wide
-nodes but its rounding error is relative to a table's largest entry, which loses the small
-entries (see benchmarks/README.md).
+Storage and arithmetic, chosen by measurement (benchmarks/README.md):
+
+* A level of the tree pairs node j with node j + half (the nodes split in halves, so both
+  children of a level are contiguous). Tables at most ``_NARROW`` wide are stored
+  width-major, (batch, width, nodes): the lower levels hold many narrow nodes, and each
+  shift of a convolution is then one multiply-add over a contiguous slab. Wider tables are
+  stored node-major, (batch, nodes, width).
+* Upward convolutions are always direct (sums of positive products: every entry keeps its
+  relative precision, and an entry is zero exactly when it is impossible, which the sampler
+  relies on): float32 node-major levels by one grouped oneDNN ``conv1d``, the rest by
+  shifting and adding in place.
+* Downward correlations of float64 tables at least ``_FFT_WIDTH_FLOAT64`` wide are computed
+  by FFT (``_correlate_by_fft``: its error is relative to a table's largest entry, which
+  the marginals tolerate, see there); the rest directly.
+* float64 node-major levels and the sampler's draws run in blocks of batch rows that fit in
+  cache (``_in_batch_blocks``), and the large arrays are rescaled in place: at n = 10000 a
+  fresh array is tens of megabytes, and every pass over one is memory-bound.
 """
 
 from typing import NamedTuple
@@ -195,10 +208,12 @@ def _correlate_by_fft(outside: torch.Tensor, right: torch.Tensor, width: int) ->
     wraps around), with one transform of ``outside`` shared by everything it broadcasts to.
 
     Its rounding error is about eps times the largest entry of the output (measured: 6e-16
-    relative in float64), not relative to each entry; it is used only for outside tables,
-    whose entries near the largest one are all the marginals depend on (MATH.md: the outside
-    table of a leaf is P(rest = k), P(rest = k - 1) up to a common factor, and tilting puts
-    k near the mode of the rest). Negative rounding noise is clamped to zero.
+    relative in float64), not relative to each entry; it is used only for float64 outside
+    tables, whose entries near the largest one are all the marginals depend on: the outside
+    table of a leaf is (P(rest = k), P(rest = k - 1)) up to a common factor, tilting puts k
+    near the mode of the rest, and a small marginal is small because of its own leaf's
+    weight. Marginals down to 1e-60 keep 1e-12 relative precision
+    (tests/test_exactly_k_kernels.py). Negative rounding noise is clamped to zero.
     """
     length = _fast_fft_length(width + right.shape[-1] - 1)
     spectrum = torch.fft.rfft(outside, length) * torch.fft.rfft(right, length).conj()
