@@ -64,10 +64,10 @@ import torch.nn.functional as F
 
 _TILT_STEPS = 6
 _TILT_TOLERANCE = 1e-2
-# Convolutions are computed by shifting and adding in place for float64 always, and for
-# float64 correlations up to _SHIFT_WIDTH (wider ones: Toeplitz matrix-vector products); in
-# float32 up to _SHIFT_WIDTH_FLOAT32 (wider ones: oneDNN's grouped conv1d). Measured per
-# level at batch 256, n = 1000 on one CPU thread.
+# Node-major convolutions are computed by shifting and adding in place for float64 always,
+# and float64 correlations up to _SHIFT_WIDTH (wider ones: Toeplitz matrix-vector products,
+# and FFT from _FFT_WIDTH_FLOAT64); in float32 both up to _SHIFT_WIDTH_FLOAT32 (wider ones:
+# oneDNN's grouped conv1d). Measured per level at batch 256, n = 1000 on one CPU thread.
 _SHIFT_WIDTH = 8
 _SHIFT_WIDTH_FLOAT32 = 2
 # float64 outside tables of nodes at least this wide are computed by FFT (3-5x faster than
@@ -332,11 +332,11 @@ def _blocked(table: torch.Tensor, node_major: bool) -> bool:
     return node_major and table.dtype != torch.float32
 
 
-def _upward(tables: torch.Tensor, k_max: int):
+def _upward(tables: torch.Tensor, k_max: int, with_log_scale: bool):
     """Merge pairs of nodes until one is left. ``tables``: the leaves, (batch, 2, n).
 
     Returns (root table (batch, width), the levels from the leaves up, the sum of the kept
-    log factors (batch,)).
+    log factors (batch,), or None unless ``with_log_scale``: only the normaliser needs it).
     """
     levels = []
     log_scale = tables.new_zeros(tables.shape[0], dtype=torch.float64)
@@ -362,10 +362,11 @@ def _upward(tables: torch.Tensor, k_max: int):
             tables, factor = _in_batch_blocks(merge, (left, right), per_row)
         else:
             tables, factor = merge(left, right)
-        log_scale = log_scale + torch.log(factor).sum(-1, dtype=torch.float64)
+        if with_log_scale:
+            log_scale = log_scale + torch.log(factor).sum(-1, dtype=torch.float64)
         levels.append(_Level(left, right, padded, node_major))
     root = tables[:, 0] if node_major else tables[:, :, 0]
-    return root, levels, log_scale
+    return root, levels, log_scale if with_log_scale else None
 
 
 def _downward(root_width: int, levels, k: torch.Tensor, dtype) -> torch.Tensor:
@@ -397,20 +398,22 @@ def _flatten(logits: torch.Tensor, k: torch.Tensor):
     return logits.reshape(-1, n), k.expand(batch_shape).reshape(-1), batch_shape
 
 
-def _prepare(logits: torch.Tensor, k: torch.Tensor, k_max: int):
+def _prepare(logits: torch.Tensor, k: torch.Tensor, k_max: int, with_log_scale: bool = False):
     """Flattened tilted inputs, leaf weights, and the upward pass."""
     flat_logits, flat_k, batch_shape = _flatten(logits, k)
     c = tilt(flat_logits, flat_k)
     x = flat_logits + c
     weights, leaf_tables, leaf_log_scale = _leaves(x)
-    root, levels, log_scale = _upward(leaf_tables, k_max)
-    return flat_k, batch_shape, c[:, 0], weights, root, levels, leaf_log_scale + log_scale
+    root, levels, log_scale = _upward(leaf_tables, k_max, with_log_scale)
+    if with_log_scale:
+        log_scale = log_scale + leaf_log_scale
+    return flat_k, batch_shape, c[:, 0], weights, root, levels, log_scale
 
 
 def _log_normalizer(logits: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tensor:
     if k_max == 0:  # e_0 = 1
         return logits.new_zeros(logits.shape[:-1])
-    flat_k, batch_shape, c, _, root, _, log_scale = _prepare(logits, k, k_max)
+    flat_k, batch_shape, c, _, root, _, log_scale = _prepare(logits, k, k_max, True)
     root_k = root.gather(-1, flat_k.long()[:, None])[:, 0]
     log_norm = log_scale - flat_k.to(torch.float64) * c.to(torch.float64)
     log_norm = torch.log(root_k) + log_norm.to(logits.dtype)
