@@ -487,11 +487,13 @@ def _ones_to_left(counts: torch.Tensor, left: torch.Tensor, right: torch.Tensor)
     right = F.pad(right, (w_left - 1, w_left - 1))[:, None]
     offsets = w_left - 1 - torch.arange(w_left, device=left.device)
     rest = counts[..., None] + offsets  # index of c - m in the padded table
-    weight = left * right.expand(counts.shape + right.shape[-1:]).gather(-1, rest)
-    cumulative = weight.cumsum(-1)
+    # One fresh array, then in place (the sampler runs without autograd): weights, their
+    # running sums, and those divided by the total.
+    share = right.expand(counts.shape + right.shape[-1:]).gather(-1, rest)
+    share.mul_(left).cumsum_(-1)
     # The first split whose share of the total weight reaches 1 - u, u ~ U[0, 1): its own
     # weight is positive, and the last share is exactly 1, so one always exists.
-    share = cumulative / cumulative[..., -1:]
+    share.div_(share[..., -1:].clone())
     uniform = torch.rand(counts.shape + (1,), dtype=share.dtype, device=share.device)
     return torch.searchsorted(share, 1.0 - uniform)[..., 0]
 
