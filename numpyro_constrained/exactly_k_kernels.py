@@ -41,10 +41,10 @@ Method (SIMPLE Algorithms 4 and 5, in scaled linear space; the same as
   left child m of them with probability proportional to ``left[m] right[c - m]``, down to
   the leaves.
 
-Convolutions are computed directly (sums of positive products: every entry keeps its
-relative precision). An FFT was measured while writing this module; it is faster for wide
-nodes but its rounding error is relative to a table's largest entry, which loses the small
-entries (see benchmarks/README.md).
+Convolutions and correlations are computed directly (sums of positive products: every
+entry keeps its relative precision). The torch kernels compute wide float64 outside tables
+by FFT, whose error is relative to a table's largest entry, which the marginals tolerate;
+this module meets the benchmark targets without it (benchmarks/README.md).
 """
 
 from functools import partial
