@@ -57,6 +57,7 @@ Storage and arithmetic, chosen by measurement (benchmarks/README.md):
   fresh array is tens of megabytes, and every pass over one is memory-bound.
 """
 
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -362,10 +363,7 @@ def _upward(tables: torch.Tensor, k_max: int, with_log_scale: bool):
             tables = torch.cat([tables, empty], dim=node_dim)
         left, right = tables.chunk(2, dim=node_dim)
         out_width = min(2 * (width - 1), k_max) + 1
-
-        def merge(left, right, out_width=out_width, node_major=node_major):
-            return _merge(left, right, out_width, node_major)
-
+        merge = partial(_merge, width=out_width, node_major=node_major)
         if _blocked(tables, node_major):
             per_row = out_width * left.shape[node_dim]
             tables, factor = _in_batch_blocks(merge, (left, right), per_row)
@@ -385,10 +383,7 @@ def _downward(root_width: int, levels, k: torch.Tensor, dtype) -> torch.Tensor:
     for left, right, padded, level_node_major in reversed(levels):
         if node_major and not level_node_major:
             outside, node_major = outside.transpose(1, 2).contiguous(), False
-
-        def split(outside, left, right, node_major=node_major):
-            return _outside_of_children(outside, left, right, node_major)
-
+        split = partial(_outside_of_children, node_major=node_major)
         if _blocked(outside, node_major):
             per_row = 2 * left.numel() // left.shape[0]
             outside = _in_batch_blocks(split, (outside, left, right), per_row)
