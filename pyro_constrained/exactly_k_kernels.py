@@ -152,26 +152,23 @@ def _convolve(left: torch.Tensor, right: torch.Tensor, width: int) -> torch.Tens
         kernel = right.flip(-1).reshape(groups, 1, w_right)
         return F.conv1d(signal, kernel, groups=groups).reshape(nodes + (width,))
     # Shift and add in place (float64 grouped convolutions and matrix-vector products are
-    # slower on CPU; in float32 conv1d's fixed cost dominates the leaves' level).
-    out = left.new_zeros(nodes + (width,))
-    for a in range(w_left):
-        span = min(w_right, width - a)
-        out[..., a : a + span].addcmul_(left[..., a : a + 1], right[..., :span])
-    return out
+    # slower on CPU).
+    return _shift_and_add(left, right, width, -1)
 
 
 def _in_batch_blocks(
     function,
     tables: tuple[torch.Tensor, ...],
-    entries_per_row: int,
+    bytes_per_row: int,
     block_bytes: int = _BLOCK_BYTES,
 ):
     """``function(*tables)`` computed on blocks of the batch (first) dimension of about
-    ``block_bytes`` of output each, and concatenated (outputs: a tensor or a tuple of
-    tensors). The direct sums make one pass over their output per shift, and a block's
-    output stays in cache between passes (2x faster at n = 10000)."""
+    ``block_bytes`` of output each (``bytes_per_row`` per row of the batch), and
+    concatenated (outputs: a tensor or a tuple of tensors). The direct sums make one pass
+    over their output per shift, and a block's output stays in cache between passes (2x
+    faster at n = 10000)."""
     batch = tables[0].shape[0]
-    rows = max(1, block_bytes // (entries_per_row * tables[-1].element_size()))
+    rows = max(1, block_bytes // bytes_per_row)
     if rows >= batch:
         return function(*tables)
     blocks = [
@@ -205,12 +202,7 @@ def _correlate(outside: torch.Tensor, right: torch.Tensor, width: int) -> torch.
         padded = F.pad(outside, (0, width + w_right - 1 - w_out))
         windows = padded.unfold(-1, w_right, 1)[..., :width, :]
         return (windows @ right.unsqueeze(-1)).squeeze(-1)
-    out = outside.new_zeros(nodes + (width,))
-    for b in range(w_right):
-        span = min(width, w_out - b)
-        if span > 0:
-            out[..., :span].addcmul_(outside[..., b : b + span], right[..., b : b + 1])
-    return out
+    return _shift_and_add_correlate(outside, right, width, -1)
 
 
 def _correlate_by_fft(outside: torch.Tensor, right: torch.Tensor, width: int) -> torch.Tensor:
@@ -242,31 +234,36 @@ def _fast_fft_length(size: int) -> int:
         size += 1
 
 
-def _shift_and_add(left: torch.Tensor, right: torch.Tensor, width: int) -> torch.Tensor:
-    """``_convolve`` for tables stored width-major, (batch, width, nodes): each shift is one
-    in-place multiply-add over a contiguous slab of all nodes, which is what makes narrow,
-    numerous nodes cheap (in node-major storage every operation strides over a last dimension
-    of 2 to 16 entries)."""
-    w_left, w_right = min(left.shape[1], width), right.shape[1]
-    out = left.new_zeros(left.shape[:1] + (width,) + left.shape[2:])
+def _shift_and_add(left: torch.Tensor, right: torch.Tensor, width: int, dim: int):
+    """``_convolve`` along ``dim``, one in-place multiply-add per shift. With tables stored
+    width-major, (batch, width, nodes), and dim = 1, each shift is one pass over a contiguous
+    slab of all nodes, which is what makes narrow, numerous nodes cheap (in node-major
+    storage every operation strides over a last dimension of 2 to 16 entries)."""
+    w_left, w_right = min(left.shape[dim], width), right.shape[dim]
+    shape = list(left.shape)
+    shape[dim] = width
+    out = left.new_zeros(shape)
     for a in range(w_left):
         span = min(w_right, width - a)
-        out[:, a : a + span].addcmul_(left[:, a : a + 1], right[:, :span])
+        out.narrow(dim, a, span).addcmul_(left.narrow(dim, a, 1), right.narrow(dim, 0, span))
     return out
 
 
 def _shift_and_add_correlate(
-    outside: torch.Tensor, right: torch.Tensor, width: int
+    outside: torch.Tensor, right: torch.Tensor, width: int, dim: int
 ) -> torch.Tensor:
-    """``_correlate`` for width-major tables: out[:, a] = sum_b outside[:, a + b] right[:, b]
-    (``outside`` broadcasts against ``right`` in the dimensions after the first two)."""
-    w_out, w_right = outside.shape[1], right.shape[1]
-    shape = (right.shape[0], width) + torch.broadcast_shapes(outside.shape[2:], right.shape[2:])
+    """``_correlate`` along ``dim``, one in-place multiply-add per shift: out[a] =
+    sum_b outside[a + b] right[b] (``outside`` broadcasts against ``right`` elsewhere)."""
+    w_out, w_right = outside.shape[dim], right.shape[dim]
+    shape = list(
+        torch.broadcast_shapes(outside.narrow(dim, 0, 1).shape, right.narrow(dim, 0, 1).shape)
+    )
+    shape[dim] = width
     out = right.new_zeros(shape)
     for b in range(w_right):
         span = min(width, w_out - b)
         if span > 0:
-            out[:, :span].addcmul_(outside[:, b : b + span], right[:, b : b + 1])
+            out.narrow(dim, 0, span).addcmul_(outside.narrow(dim, b, span), right.narrow(dim, b, 1))
     return out
 
 
@@ -317,7 +314,7 @@ def _merge(left: torch.Tensor, right: torch.Tensor, width: int, node_major: bool
     """The rescaled tables of the parents of ``left`` and ``right``, and their factors."""
     if node_major:
         return _rescale(_convolve(left, right, width), -1)
-    return _rescale(_shift_and_add(left, right, width), 1)
+    return _rescale(_shift_and_add(left, right, width, 1), 1)
 
 
 def _outside_of_children(
@@ -332,7 +329,7 @@ def _outside_of_children(
         return _rescale(tables.reshape(batch, 2 * half, width), -1)[0]
     batch, width, half = left.shape
     siblings = torch.stack([right, left], dim=2)
-    tables = _shift_and_add_correlate(outside[:, :, None], siblings, width)
+    tables = _shift_and_add_correlate(outside[:, :, None], siblings, width, 1)
     return _rescale(tables.reshape(batch, width, 2 * half), 1)[0]
 
 
@@ -365,7 +362,7 @@ def _upward(tables: torch.Tensor, k_max: int, with_log_scale: bool):
         out_width = min(2 * (width - 1), k_max) + 1
         merge = partial(_merge, width=out_width, node_major=node_major)
         if _blocked(tables, node_major):
-            per_row = out_width * left.shape[node_dim]
+            per_row = out_width * left.shape[node_dim] * left.element_size()
             tables, factor = _in_batch_blocks(merge, (left, right), per_row)
         else:
             tables, factor = merge(left, right)
@@ -385,7 +382,7 @@ def _downward(root_width: int, levels, k: torch.Tensor, dtype) -> torch.Tensor:
             outside, node_major = outside.transpose(1, 2).contiguous(), False
         split = partial(_outside_of_children, node_major=node_major)
         if _blocked(outside, node_major):
-            per_row = 2 * left.numel() // left.shape[0]
+            per_row = 2 * left.numel() // left.shape[0] * left.element_size()
             outside = _in_batch_blocks(split, (outside, left, right), per_row)
         else:
             outside = split(outside, left, right)
@@ -499,7 +496,7 @@ def _draw(root_k: torch.Tensor, levels, num_samples: int) -> torch.Tensor:
     for left, right, padded, node_major in reversed(levels):
         if not node_major:
             left, right = left.transpose(1, 2), right.transpose(1, 2)
-        per_row = num_samples * left.numel() // left.shape[0]
+        per_row = num_samples * left.numel() // left.shape[0] * left.element_size()
         ones_left = _in_batch_blocks(
             _ones_to_left, (counts, left, right), per_row, _DRAW_BLOCK_BYTES
         )
