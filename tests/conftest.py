@@ -3,17 +3,44 @@
 JAX runs with 64-bit types enabled so that float64 tests are possible; float32 tests pass
 float32 arrays explicitly (the library keeps the dtype of its inputs). NumPy randomness in
 tests comes from explicit ``np.random.default_rng(seed)`` generators.
+
+Property-based tests (``hypothesis``) run under a profile chosen by the environment variable
+``HYPOTHESIS_PROFILE``: ``ci`` (the default, a bounded number of examples and no deadline, so
+that the whole suite stays within its time budget on a 2-core machine) or ``thorough`` (many
+more examples, for local runs: ``HYPOTHESIS_PROFILE=thorough python -m pytest -k property``).
 """
+
+import os
 
 import jax
 import pyro
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 jax.config.update("jax_enable_x64", True)
 # The suite runs on a 2-core machine: torch's intra-op thread pool contends with JAX's and
 # with pytest-xdist workers and slows tiny kernels by orders of magnitude.
 torch.set_num_threads(1)
+
+# Derandomized in CI so that a red run is reproducible; the thorough profile explores.
+_SLOW_EXAMPLES = [HealthCheck.too_slow, HealthCheck.data_too_large]
+settings.register_profile(
+    "ci",
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    print_blob=True,
+    suppress_health_check=_SLOW_EXAMPLES,
+)
+settings.register_profile(
+    "thorough",
+    max_examples=2000,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=_SLOW_EXAMPLES,
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(autouse=True)
