@@ -6,6 +6,7 @@ logits, validation, shapes and the framework's protocols (pytree, ``vmap_over``,
 """
 
 from numbers import Integral
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -137,12 +138,13 @@ class ExactlyKBernoulli(Distribution):
         if probs is not None:
             self.probs = jnp.broadcast_to(probs, batch_shape + event_shape)
         self.k = jnp.broadcast_to(k, batch_shape)
-        self._k_max = self._check_k()
         super().__init__(batch_shape, event_shape, validate_args=validate_args)
+        self._k_max = self._check_k()
 
     def _check_k(self) -> int:
-        """Checks k in 0..n and feasibility where the values are concrete (whatever
-        validate_args says: nothing is defined without them); returns ``k_max``.
+        """With validation on and concrete values: k in 0..n and feasible with the infinite
+        logits (ValueError otherwise). Returns ``k_max``; with validation off, the batch
+        elements whose constraint is impossible get ``-inf`` log-probabilities.
 
         ``k_max`` is rounded up to a power of two (at most n): it is a static argument of
         the jitted kernels, and every new value would cost a compilation."""
@@ -150,9 +152,9 @@ class ExactlyKBernoulli(Distribution):
         if not _is_concrete(self.k):
             return n
         k = np.asarray(self.k)
-        if k.size and (k.min() < 0 or k.max() > n):
+        if self._validate_args and k.size and (k.min() < 0 or k.max() > n):
             raise ValueError(f"k must be in 0..n = 0..{n}, got {np.unique(k).tolist()}")
-        if _is_concrete(self.logits) and k.size:
+        if self._validate_args and _is_concrete(self.logits) and k.size:
             logits = np.asarray(self.logits)
             forced_on = (logits == np.inf).sum(-1)
             forced_off = (logits == -np.inf).sum(-1)
@@ -162,7 +164,7 @@ class ExactlyKBernoulli(Distribution):
                     "k logits equal to +inf (probs = 1) or more than n - k equal to -inf "
                     "(probs = 0)"
                 )
-        largest = int(k.max()) if k.size else 0
+        largest = int(np.clip(k, 0, n).max()) if k.size else 0
         return min(n, 1 << largest.bit_length())
 
     @constraints.dependent_property(is_discrete=True, event_dim=1)
@@ -174,16 +176,36 @@ class ExactlyKBernoulli(Distribution):
         return jax.nn.sigmoid(self.logits)
 
     @property
+    def _problem(self) -> "_FreeProblem":
+        return _free_problem(self.logits, self.k)
+
+    def _parts(self, problem: "_FreeProblem") -> kernels.NormalizerParts:
+        return kernels.normalizer_parts(problem.logits, problem.k, self._k_max)
+
+    def _log_normalizer_of(self, problem, parts) -> jax.Array:
+        log_norm = kernels.log_normalizer(problem.logits, problem.k, self._k_max, parts)
+        return jnp.where(problem.infeasible, -jnp.inf, log_norm)
+
+    @property
     def _log_normalizer(self) -> jax.Array:
-        """log e_{k_free}(exp logits) over the finite logits."""
-        return kernels.log_normalizer(*_free_problem(self.logits, self.k), self._k_max)
+        """log e_{k_free}(exp logits) over the finite logits (-inf where infeasible)."""
+        problem = self._problem
+        return self._log_normalizer_of(problem, self._parts(problem))
+
+    def _marginal_pair(self, problem) -> tuple[jax.Array, jax.Array]:
+        """(mu, 1 - mu): mu_i = P(z_i = 1 | sum z = k), differentiable in the logits; its
+        complement computed without rounding (no gradient)."""
+        free_mu, free_complement = kernels.marginals_and_complements(
+            problem.logits, problem.k, self._k_max
+        )
+        return _complete_pair(free_mu, free_complement, self.logits, problem)
 
     @property
     def _marginal_probs(self) -> jax.Array:
         """mu_i = P(z_i = 1 | sum z = k), differentiable in the logits."""
-        kernel_logits, k_free = _free_problem(self.logits, self.k)
-        free_mu = kernels.marginals(kernel_logits, k_free, self._k_max)
-        return _complete_marginals(free_mu, self.logits, k_free)
+        problem = self._problem
+        free_mu = kernels.marginals(problem.logits, problem.k, self._k_max)
+        return _complete_pair(free_mu, 1.0 - free_mu, self.logits, problem)[0]
 
     @property
     def mean(self) -> jax.Array:
@@ -191,8 +213,8 @@ class ExactlyKBernoulli(Distribution):
 
     @property
     def variance(self) -> jax.Array:
-        mu = self._marginal_probs
-        return mu * (1 - mu)
+        mu, complement = self._marginal_pair(self._problem)
+        return mu * complement
 
     @property
     def marginals(self) -> Bernoulli:
@@ -208,35 +230,62 @@ class ExactlyKBernoulli(Distribution):
 
     def log_prob(self, value) -> jax.Array:
         """``theta . z - log e_k(exp theta)`` for k-hot ``z`` (counting measure). Outside the
-        support: ``ValueError`` with validation on and a concrete value, else ``-inf``.
-        Differentiable in ``value`` too, so a straight-through sample passes its gradient on."""
-        log_prob, in_support = _log_prob(
-            self.logits, self.k, jnp.asarray(value), self._log_normalizer
-        )
+        support (not k-hot, or a 1 at a ``-inf`` logit / a 0 at a ``+inf`` one): ``ValueError``
+        with validation on and a concrete value, else ``-inf``. Differentiable in ``value``
+        too, so a straight-through sample passes its gradient on.
+
+        The value is computed from the tilted logits (``kernels.log_prob_value``), exact to
+        the dtype's precision for logits of any size; the gradient is that of the formula."""
+        problem = self._problem
+        parts = self._parts(problem)
+        value = jnp.asarray(value)
+        exact = kernels.log_prob_value(problem.logits, parts, value)
+        log_norm = self._log_normalizer_of(problem, parts)
+        log_prob, in_support = _log_prob(self.logits, self.k, value, log_norm, exact, problem)
         if self._validate_args and not_jax_tracer(in_support) and not np.all(in_support):
             raise ValueError(
                 "ExactlyKBernoulli.log_prob: value is not a k-hot vector with the distribution's "
-                f"k (support {self.support})"
+                f"k that the infinite logits allow (support {self.support})"
             )
         return log_prob
 
     def sample(self, key, sample_shape=()) -> jax.Array:
         """An exact draw ``z`` (0.0 / 1.0 entries summing to k) carrying the straight-through
-        marginal gradient ``z + (mu - stop_gradient(mu))``; its value is exactly ``z``."""
-        kernel_logits, k_free = _free_problem(self.logits, self.k)
+        marginal gradient ``z + (mu - stop_gradient(mu))``; its value is exactly ``z``.
+        Raises ValueError (concrete values) where the constraint is impossible; under a
+        trace such elements get NaN."""
+        problem = self._problem
+        if not_jax_tracer(problem.infeasible) and np.any(problem.infeasible):
+            raise ValueError(
+                "ExactlyKBernoulli.sample: the constraint is impossible for some batch element "
+                "(k outside 0..n, or infinite logits that rule out every k-hot vector)"
+            )
         z, free_mu = kernels.sample_and_marginals(
-            key, kernel_logits, k_free, self._k_max, tuple(sample_shape)
+            key, problem.logits, problem.k, self._k_max, tuple(sample_shape)
         )
-        return _straight_through(z, free_mu, self.logits, k_free)
+        return _straight_through(z, free_mu, self.logits, problem)
 
     def entropy(self) -> jax.Array:
-        """``H = log e_k(exp theta) - theta . mu`` (over the finite logits)."""
-        return _entropy(self.logits, self._log_normalizer, self._marginal_probs)
+        """``H = log e_k(exp theta) - theta . mu`` (over the finite logits), evaluated as a
+        sum of non-negative terms of the tilted logits (``kernels.cross_entropy_value``);
+        NaN where the constraint is impossible."""
+        problem = self._problem
+        parts = self._parts(problem)
+        mu, complement = self._marginal_pair(problem)
+        exact = kernels.cross_entropy_value(problem.logits, parts, mu, complement)
+        log_norm = self._log_normalizer_of(problem, parts)
+        return _entropy(self.logits, log_norm, mu, exact, problem)
 
     def log_constraint_prob(self) -> jax.Array:
         """``log P(sum z = k)`` under the unconstrained Bernoullis (Poisson-binomial pmf):
-        ``log e_k(exp theta) - sum_i softplus(theta_i)``, shape ``batch``."""
-        return _log_constraint_prob(self.logits, self._log_normalizer)
+        ``log e_k(exp theta) - sum_i softplus(theta_i)``, shape ``batch``, evaluated without
+        that difference's cancellation (``kernels.log_constraint_prob_value``); ``-inf``
+        where the constraint is impossible."""
+        problem = self._problem
+        parts = self._parts(problem)
+        exact = kernels.log_constraint_prob_value(problem.logits, problem.k, parts)
+        log_norm = self._log_normalizer_of(problem, parts)
+        return _log_constraint_prob(self.logits, log_norm, exact, problem)
 
     def expand(self, batch_shape) -> "ExactlyKBernoulli":
         batch_shape = tuple(batch_shape)
@@ -270,12 +319,28 @@ def _vmap_over_exactly_k_bernoulli(dist: ExactlyKBernoulli, logits=None, probs=N
 @kl_divergence.register(ExactlyKBernoulli, ExactlyKBernoulli)
 def _kl_exactly_k_bernoulli(p: ExactlyKBernoulli, q: ExactlyKBernoulli) -> jax.Array:
     """``KL(p || q) = mu_p . (theta_p - theta_q) - log e_k(p) + log e_k(q)`` over finite
-    logits; ``+inf`` where p puts mass on a vector that q forbids."""
+    logits; ``+inf`` where p puts mass on a vector that q forbids. Evaluated as the
+    difference of two cross-entropies of the tilted logits (``kernels.cross_entropy_value``),
+    exactly 0 for p = q and exact for logits of any size; the gradient is the formula's."""
     if p.event_shape != q.event_shape:
         raise ValueError(f"KL needs the same n, got {p.event_shape[0]} and {q.event_shape[0]}")
     if _is_concrete(p.k, q.k) and not np.array_equal(*np.broadcast_arrays(p.k, q.k)):
         raise ValueError("KL between ExactlyKBernoulli needs the same k")
-    return _kl(p.logits, p._marginal_probs, p._log_normalizer, q.logits, q._log_normalizer)
+    p_problem, q_problem = p._problem, q._problem
+    p_parts, q_parts = p._parts(p_problem), q._parts(q_problem)
+    mu, complement = p._marginal_pair(p_problem)
+    cross = kernels.cross_entropy_value(q_problem.logits, q_parts, mu, complement)
+    own = kernels.cross_entropy_value(p_problem.logits, p_parts, mu, complement)
+    return _kl(
+        p.logits,
+        mu,
+        p._log_normalizer_of(p_problem, p_parts),
+        q.logits,
+        q._log_normalizer_of(q_problem, q_parts),
+        cross - own,
+        p_problem,
+        q_problem,
+    )
 
 
 # The distribution's glue around the kernels, as small jitted pure functions: in eager use
@@ -284,31 +349,62 @@ def _kl_exactly_k_bernoulli(p: ExactlyKBernoulli, q: ExactlyKBernoulli) -> jax.A
 # compilations are shared between the methods.
 
 
+class _FreeProblem(NamedTuple):
+    """The kernels' problem: forced-on variables set to -inf and subtracted from k, k clamped
+    into the feasible range (``infeasible`` marks where it was not), and the batch elements
+    with a single k-hot vector in the support."""
+
+    logits: jax.Array
+    k: jax.Array
+    infeasible: jax.Array
+    deterministic: jax.Array
+
+
 @jax.jit
-def _free_problem(logits: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The kernels' problem: forced-on variables set to -inf and subtracted from k."""
+def _free_problem(logits: jax.Array, k: jax.Array) -> _FreeProblem:
     forced_on = logits == jnp.inf
-    return jnp.where(forced_on, -jnp.inf, logits), k - forced_on.sum(-1).astype(k.dtype)
+    num_free = jnp.isfinite(logits).sum(-1)
+    k_free = k - forced_on.sum(-1).astype(k.dtype)
+    infeasible = (k_free < 0) | (k_free > num_free)
+    k_free = jnp.clip(k_free, 0, num_free).astype(k.dtype)
+    deterministic = (k_free == 0) | (k_free == num_free)
+    return _FreeProblem(jnp.where(forced_on, -jnp.inf, logits), k_free, infeasible, deterministic)
 
 
 def _finite_part(logits: jax.Array) -> jax.Array:
     return jnp.where(jnp.isfinite(logits), logits, 0.0)
 
 
-@jax.jit
-def _complete_marginals(free_mu: jax.Array, logits: jax.Array, k_free: jax.Array) -> jax.Array:
-    # Deterministic entries get exact 0 / 1 (and zero gradient, which is their derivative).
-    free = jnp.isfinite(logits)
-    mu = jnp.where((k_free == free.sum(-1))[..., None], 1.0, free_mu)
-    mu = jnp.where((k_free == 0)[..., None], 0.0, mu)
-    return jnp.where(free, mu, jnp.where(logits == jnp.inf, 1.0, 0.0)).astype(logits.dtype)
+def _value_with_gradient_of(value: jax.Array, formula: jax.Array) -> jax.Array:
+    """``value`` (computed accurately, without gradient) carrying the gradient of
+    ``formula``, an expression equal to it in exact arithmetic but with rounding error in
+    floating point; where the formula is not finite, ``value`` alone."""
+    difference = formula - lax.stop_gradient(formula)
+    return value + jnp.where(jnp.isfinite(formula), difference, 0.0)
+
+
+def _complete(free, logits, problem: _FreeProblem, forced_on, forced_off, none_left):
+    # Deterministic entries get exact values (and zero gradient, which is their derivative).
+    free_mask = jnp.isfinite(logits)
+    value = jnp.where((problem.k == free_mask.sum(-1))[..., None], 1.0 - none_left, free)
+    value = jnp.where((problem.k == 0)[..., None], none_left, value)
+    value = jnp.where(free_mask, value, jnp.where(logits == jnp.inf, forced_on, forced_off))
+    value = jnp.where(problem.infeasible[..., None], jnp.nan, value)
+    return value.astype(logits.dtype)
 
 
 @jax.jit
-def _straight_through(z, free_mu, logits, k_free) -> jax.Array:
+def _complete_pair(free_mu, free_complement, logits, problem: _FreeProblem):
+    mu = _complete(free_mu, logits, problem, 1.0, 0.0, 0.0)
+    return mu, _complete(free_complement, logits, problem, 0.0, 1.0, 1.0)
+
+
+@jax.jit
+def _straight_through(z, free_mu, logits, problem: _FreeProblem) -> jax.Array:
     z = jnp.where(logits == jnp.inf, 1.0, lax.stop_gradient(z)).astype(logits.dtype)
-    mu = _complete_marginals(free_mu, logits, k_free)
-    return z + (mu - lax.stop_gradient(mu))
+    mu = _complete(free_mu, logits, problem, 1.0, 0.0, 0.0)
+    z = z + (mu - lax.stop_gradient(mu))
+    return jnp.where(problem.infeasible[..., None], jnp.nan, z)
 
 
 @jax.jit
@@ -319,33 +415,46 @@ def _mode(logits: jax.Array, k: jax.Array) -> jax.Array:
 
 
 @jax.jit
-def _log_prob(logits, k, value, log_normalizer) -> tuple[jax.Array, jax.Array]:
-    """(log_prob, value is k-hot)."""
-    in_support = KHot(k)(value)
+def _log_prob(logits, k, value, log_normalizer, exact, problem) -> tuple[jax.Array, jax.Array]:
+    """(log_prob, value is in the support)."""
     on = value == 1
-    possible = in_support & ~jnp.any(on & (logits == -jnp.inf), axis=-1)
-    possible = possible & ~jnp.any(~on & (logits == jnp.inf), axis=-1)
-    score = (_finite_part(logits) * value).sum(-1) - log_normalizer
+    in_support = KHot(k)(value)
+    in_support = in_support & ~jnp.any(on & (logits == -jnp.inf), axis=-1)
+    in_support = in_support & ~jnp.any(~on & (logits == jnp.inf), axis=-1)
+    dtype = jnp.result_type(logits, value)
+    exact = jnp.where(problem.deterministic, 0.0, exact).astype(dtype)
+    formula = (_finite_part(logits) * value).sum(-1) - log_normalizer
+    score = _value_with_gradient_of(exact, formula)
+    possible = in_support & ~problem.infeasible
     return jnp.where(possible, score, -jnp.inf), in_support
 
 
 @jax.jit
-def _entropy(logits, log_normalizer, mu) -> jax.Array:
-    return log_normalizer - (_finite_part(logits) * mu).sum(-1)
+def _entropy(logits, log_normalizer, mu, exact, problem) -> jax.Array:
+    exact = jnp.where(problem.deterministic, 0.0, exact).astype(logits.dtype)
+    formula = log_normalizer - (_finite_part(logits) * mu).sum(-1)
+    entropy = _value_with_gradient_of(exact, formula)
+    return jnp.where(problem.infeasible, jnp.nan, entropy)
 
 
 @jax.jit
-def _log_constraint_prob(logits, log_normalizer) -> jax.Array:
+def _log_constraint_prob(logits, log_normalizer, exact, problem) -> jax.Array:
     softplus = jnp.where(jnp.isfinite(logits), _softplus(_finite_part(logits)), 0.0)
-    return log_normalizer - softplus.sum(-1)
+    formula = log_normalizer - softplus.sum(-1)
+    value = _value_with_gradient_of(exact.astype(logits.dtype), formula)
+    return jnp.where(problem.infeasible, -jnp.inf, value)
 
 
 @jax.jit
-def _kl(p_logits, p_mu, p_log_normalizer, q_logits, q_log_normalizer) -> jax.Array:
+def _kl(p_logits, p_mu, p_log_normalizer, q_logits, q_log_normalizer, exact, p_problem, q_problem):
     cross = (p_mu * _finite_part(q_logits)).sum(-1)
     own = (p_mu * _finite_part(p_logits)).sum(-1)
-    kl = own - cross - p_log_normalizer + q_log_normalizer
+    formula = own - cross - p_log_normalizer + q_log_normalizer
+    both_deterministic = p_problem.deterministic & q_problem.deterministic
+    exact = jnp.where(both_deterministic, 0.0, exact).astype(formula.dtype)
+    kl = _value_with_gradient_of(exact, formula)
     forbidden = q_logits == -jnp.inf
     required = q_logits == jnp.inf
     escapes = jnp.any((p_mu > 0) & forbidden, axis=-1) | jnp.any((p_mu < 1) & required, axis=-1)
-    return jnp.where(escapes, jnp.inf, kl)
+    kl = jnp.where(escapes, jnp.inf, kl)
+    return jnp.where(p_problem.infeasible | q_problem.infeasible, jnp.nan, kl)

@@ -48,6 +48,7 @@ this module meets the benchmark targets without it (benchmarks/README.md).
 """
 
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +58,12 @@ _TILT_STEPS = 6
 # A step below this leaves the expected count within about 1e-4 of k (measured; Newton
 # converges quadratically), far closer than the tables need.
 _TILT_TOLERANCE = 0.1
+# Rows that have not converged after _TILT_STEPS, or whose count distribution is nearly
+# deterministic at the result (variance below _TILT_FLAT, where the expected count can be
+# flat to working precision far from the root), start again from order statistics
+# (_restart_tilt) and may take up to _TILT_MAX_STEPS steps.
+_TILT_FLAT = 0.1
+_TILT_MAX_STEPS = 60
 # Widths up to this are convolved by an unrolled shift-and-add (fused by XLA); wider ones by
 # a fori_loop over groups of _SHIFTS_PER_STEP shifts, so compile time does not grow with
 # k_max while each loop step still makes one fused pass over the output.
@@ -66,14 +73,19 @@ _SHIFTS_PER_STEP = 8
 
 def tilt(logits: jax.Array, k: jax.Array) -> jax.Array:
     """A constant c per batch element (shape ``batch + (1,)``, under ``stop_gradient``) with
-    ``sum_i sigmoid(logits_i + c) ~= k``.
+    ``sum_i sigmoid(logits_i + c) ~= k``, for any finite logits however large.
 
     Newton's method on ``g(c) = log f(c) - log(m - f(c))``, f the expected count and m the
     number of finite logits: g is increasing and close to linear with slope 1 in both tails
-    (where Newton on f itself crawls), and exactly linear when m = 1. Steps that leave the
-    bracket ``[logit(t/m) - max x, logit(t/m) - min x]``, which provably holds the root,
-    are replaced by bisection, and the iteration stops once every step is below
-    ``_TILT_TOLERANCE`` (usually after 2 or 3 steps). The target count t is clamped to
+    (where Newton on f itself crawls), and exactly linear when m = 1. Steps that leave a
+    bracket that provably holds the root are replaced by bisection, and the iteration stops
+    once every step is below ``_TILT_TOLERANCE`` (usually after 2 or 3 steps from the
+    bracket ``[logit(t/m) - max x, logit(t/m) - min x]``). That bracket is as wide as the
+    spread of the logits: with masked logits (-1e4, -1e9) bisection cannot narrow it in a
+    few steps, and inside a wide gap between the logits f is constant to working precision,
+    so Newton may stop anywhere in the gap. Rows where either can have happened restart
+    from order statistics (``_restart_tilt``; under ``vmap`` the restart is computed for
+    every row, because ``lax.cond`` becomes a select). The target count t is clamped to
     [1/2, m - 1/2] because the exact solution is infinite for k = 0 and k = m; any finite c
     leaves the distribution unchanged, and the tables only need c roughly right.
     """
@@ -89,11 +101,26 @@ def tilt(logits: jax.Array, k: jax.Array) -> jax.Array:
     goal = jnp.log(target) - jnp.log(m - target)
     low = jnp.where(num_finite > 0, goal - largest, 0.0).astype(dtype)
     high = jnp.where(num_finite > 0, goal - smallest, 0.0).astype(dtype)
+    c, settled = _newton(logits, finite, goal, low, high, 0.5 * (low + high), _TILT_STEPS)
+    unsettled = ~settled & (num_finite > 1)
+
+    def restart():
+        return jnp.where(unsettled, _restart_tilt(logits, finite, target, goal, m), c)
+
+    c = lax.cond(jnp.any(unsettled), restart, lambda: c)
+    return lax.stop_gradient(c)
+
+
+def _newton(logits, finite, goal, low, high, c, max_steps: int):
+    """Safeguarded Newton steps on g (see ``tilt``) from ``c`` inside ``[low, high]``.
+    Returns (c, settled): settled rows took a last step below ``_TILT_TOLERANCE`` at a
+    count variance of at least ``_TILT_FLAT``."""
+    dtype = logits.dtype
 
     def step(state):
         # One sigmoid per step: 1 - on is exact to an absolute eps, which only matters where
         # the off-count is tiny, far from the root (the bracket catches it).
-        steps, c, low, high, _ = state
+        steps, c, low, high, _, _ = state
         on = jax.nn.sigmoid(logits + c)
         off = jnp.where(finite, 1.0 - on, 0.0)
         count_on = on.sum(-1, keepdims=True)
@@ -106,16 +133,41 @@ def tilt(logits: jax.Array, k: jax.Array) -> jax.Array:
         newton = c - (g - goal) / (slope * (1.0 / count_on + 1.0 / count_off))
         inside = (newton >= low) & (newton <= high)  # False for NaN steps too
         new_c = jnp.where(inside, newton, 0.5 * (low + high)).astype(dtype)
-        converged = jnp.all(jnp.abs(new_c - c) <= _TILT_TOLERANCE)
-        return steps + 1, new_c, low, high, converged
+        small = jnp.abs(new_c - c) <= _TILT_TOLERANCE
+        done = jnp.all(small | (high - low <= _TILT_TOLERANCE))
+        return steps + 1, new_c, low, high, done, small & (slope >= _TILT_FLAT)
 
     def more(state):
-        steps, _, _, _, converged = state
-        return (steps < _TILT_STEPS) & ~converged
+        steps, _, _, _, done, _ = state
+        return (steps < max_steps) & ~done
 
-    start = (jnp.int32(0), 0.5 * (low + high), low, high, jnp.bool_(False))
-    _, c, _, _, _ = lax.while_loop(more, step, start)
-    return lax.stop_gradient(c)
+    settled = jnp.zeros(c.shape, bool)
+    start = (jnp.int32(0), c.astype(dtype), low, high, jnp.bool_(False), settled)
+    _, c, _, _, _, settled = lax.while_loop(more, step, start)
+    return c, settled
+
+
+def _restart_tilt(logits, finite, target, goal, m):
+    """The tilt from the order statistics ``a = x_(ceil t)`` and ``b = x_(floor t + 1)``
+    (descending): at ``c = -b + log(t / (floor t + 1 - t))`` the largest ``floor t + 1``
+    terms alone reach the count t, and at ``c = -a - log((m - t) / (t - ceil t + 1))`` the
+    terms from rank ``ceil t`` down cannot lift it above t, so the root lies between, a
+    bracket only ``a - b + O(log m)`` wide. When a - b is large (a gap), the root is within
+    ``log(m) / 2`` of ``-(a + b) / 2 + log(t / (m - t)) / 2`` (the two saturated tails
+    balance there), where Newton starts; f may be flat there to working precision, but the
+    start is already as close as the tables need."""
+    descending = -jnp.sort(-logits, axis=-1)
+    above = jnp.ceil(target) - 1
+    below = jnp.minimum(jnp.floor(target), logits.shape[-1] - 1)
+    a = jnp.take_along_axis(descending, above.astype(jnp.int32), axis=-1)
+    b = jnp.take_along_axis(descending, below.astype(jnp.int32), axis=-1)
+    # Rows without finite logits (not restarted) must not turn the loop's test into NaN.
+    a, b = (jnp.where(jnp.isfinite(t), t, 0.0) for t in (a, b))
+    low = -a - jnp.log((m - target) / (target - above))
+    high = -b + jnp.log(target / (below + 1.0 - target))
+    start = -(0.5 * a + 0.5 * b) + 0.5 * (jnp.log(target) - jnp.log(m - target))
+    start = jnp.clip(start, low, high)
+    return _newton(logits, finite, goal, low, high, start, _TILT_MAX_STEPS)[0]
 
 
 # ----------------------------------------------------------------------------------------
@@ -197,17 +249,18 @@ def _rescale(table: jax.Array) -> tuple[jax.Array, jax.Array]:
 def _leaves(x: jax.Array, k_max: int):
     """Leaf tables ``[1, exp(x_i)]`` divided by their largest entry exp(max(x_i, 0)):
     returns (``[exp(-max(x, 0)), exp(x - max(x, 0))]`` (unflushed), flushed tables truncated
-    at k_max, sum of the log factors, in float64 when x64 is on)."""
+    at k_max). The log factors, ``max(x_i, 0)``, are added back in the wide dtype by
+    ``log_normalizer_value``."""
     shift = jnp.maximum(lax.stop_gradient(x), 0.0)
     weights = jnp.stack([jnp.exp(-shift), jnp.exp(x - shift)], axis=-1)
     floor = float(jnp.finfo(x.dtype).tiny) ** 0.5
     tables = jnp.where(weights >= floor, weights, 0.0)[..., : k_max + 1]
-    return weights, tables, shift.astype(_wide(x.dtype)).sum(-1)
+    return weights, tables
 
 
 def _wide(dtype):
-    # The per-batch sums of log factors are accumulated in float64 when x64 is on: in
-    # float32 they can be large and nearly cancel against k c.
+    # The normaliser's parts and the values computed from them are float64 when x64 is on:
+    # in float32 they are sums of many terms that can be large and nearly cancel.
     return jnp.promote_types(dtype, jnp.float64) if jax.config.jax_enable_x64 else dtype
 
 
@@ -246,55 +299,169 @@ def _downward(root_width: int, levels, k: jax.Array, dtype) -> jax.Array:
 
 
 def _prepare(logits: jax.Array, k: jax.Array, k_max: int):
-    """Flattened tilted inputs, leaf weights, and the upward pass."""
+    """Flattened tilted inputs, leaf weights, and the upward pass (``log_scale``: the sum of
+    the internal nodes' log factors, in the wide dtype)."""
     n = logits.shape[-1]
     flat_logits = logits.reshape(-1, n)
     flat_k = jnp.broadcast_to(jnp.asarray(k), logits.shape[:-1]).reshape(-1).astype(jnp.int32)
     c = tilt(flat_logits, flat_k)
-    weights, leaf_tables, leaf_log_scale = _leaves(flat_logits + c, k_max)
+    weights, leaf_tables = _leaves(flat_logits + c, k_max)
     root, levels, log_scale = _upward(leaf_tables, k_max)
-    return flat_k, c[:, 0], weights, root, levels, leaf_log_scale + log_scale
+    return flat_k, c[:, 0], weights, root, levels, log_scale
 
 
-def _log_normalizer_from(logits, flat_k, c, root, log_scale):
+class NormalizerParts(NamedTuple):
+    """The log normaliser in two parts that keep their precision for logits of any size
+    (float64 when x64 is on, shape ``batch``, under ``stop_gradient``): with
+    ``x = logits + tilt``,
+
+        log e_k(exp logits) = log_reduced + sum_i max(x_i, 0) - k tilt,
+
+    where ``log_reduced = log e_k(exp x) - sum_i max(x_i, 0)`` is the log of the root's
+    entry k times the internal nodes' factors. Every quantity that is a small difference of
+    large terms when written with the logits (log_prob, entropy, KL, the constraint
+    probability) is a sum of terms of one sign when written with ``x`` and ``log_reduced``
+    (the ``*_value`` functions below); a saturated variable (``|x_i|`` beyond the dtype's
+    precision) then contributes exactly nothing, as conditioning on its value would."""
+
+    tilt: jax.Array
+    log_reduced: jax.Array
+
+
+def _parts_from(logits, flat_k, c, root, log_scale) -> NormalizerParts:
+    wide = _wide(logits.dtype)
     root_k = jnp.take_along_axis(root, flat_k[:, None], axis=-1)[:, 0]
-    rest = log_scale - flat_k.astype(log_scale.dtype) * c.astype(log_scale.dtype)
-    return (jnp.log(root_k) + rest.astype(logits.dtype)).reshape(logits.shape[:-1])
+    log_reduced = jnp.log(root_k).astype(wide) + log_scale.astype(wide)
+    batch_shape = logits.shape[:-1]
+    parts = NormalizerParts(c.astype(wide).reshape(batch_shape), log_reduced.reshape(batch_shape))
+    return jax.tree_util.tree_map(lax.stop_gradient, parts)
 
 
-def _marginals_from(flat_k, weights, root, levels) -> jax.Array:
+def _zero_parts(logits: jax.Array) -> NormalizerParts:
+    """The parts for k = 0 everywhere: e_0 = 1, no tilt."""
+    zero_tilt = jnp.zeros(logits.shape[:-1], _wide(logits.dtype))
+    x = _tilted(logits, zero_tilt)
+    return NormalizerParts(zero_tilt, -jnp.maximum(x, 0.0).sum(-1))
+
+
+@partial(jax.jit, static_argnames="k_max")
+def normalizer_parts(logits: jax.Array, k: jax.Array, k_max: int) -> NormalizerParts:
+    """The parts of ``log e_k(exp logits)`` (see ``NormalizerParts``), from one upward pass."""
+    logits = lax.stop_gradient(logits)
+    if k_max == 0:
+        return _zero_parts(logits)
+    flat_k, c, _, root, _, log_scale = _prepare(logits, jnp.asarray(k), k_max)
+    return _parts_from(logits, flat_k, c, root, log_scale)
+
+
+def _tilted(logits: jax.Array, tilt: jax.Array) -> jax.Array:
+    """``x = logits + tilt`` in the wide dtype (``-inf`` stays ``-inf``)."""
+    return lax.stop_gradient(logits).astype(tilt.dtype) + tilt[..., None]
+
+
+def log_normalizer_value(logits: jax.Array, k: jax.Array, parts: NormalizerParts) -> jax.Array:
+    """``log e_k(exp logits)`` in the wide dtype from its parts."""
+    x = _tilted(logits, parts.tilt)
+    positive = jnp.maximum(x, 0.0).sum(-1)
+    return parts.log_reduced + positive - jnp.asarray(k).astype(x.dtype) * parts.tilt
+
+
+@jax.jit
+def log_prob_value(logits: jax.Array, parts: NormalizerParts, value: jax.Array) -> jax.Array:
+    """``logits . z - log e_k(exp logits)`` for k-hot ``z`` (wide dtype, no gradient), as
+    ``sum_i (x_i z_i - max(x_i, 0)) - log_reduced``: every term is 0 or has the sign of the
+    penalty it stands for, so nothing cancels."""
+    x = _tilted(logits, parts.tilt)
+    z = lax.stop_gradient(value).astype(x.dtype)
+    terms = jnp.where(x > -jnp.inf, x * z - jnp.maximum(x, 0.0), 0.0)
+    return terms.sum(-1) - parts.log_reduced
+
+
+@jax.jit
+def cross_entropy_value(
+    logits: jax.Array, parts: NormalizerParts, mu: jax.Array, mu_complement: jax.Array
+) -> jax.Array:
+    """``-E[log q(z)]`` for q the distribution of ``logits`` (with ``parts``) and z with
+    marginals ``mu`` (``mu_complement = 1 - mu``, computed without rounding): with x the
+    tilted logits of q, ``log_reduced + sum_i max(x_i, 0) (1 - mu_i) + max(-x_i, 0) mu_i``,
+    a sum of non-negative terms after ``log_reduced``. With q the distribution of ``mu``
+    itself this is its entropy. Wide dtype, no gradient."""
+    x = _tilted(logits, parts.tilt)
+    mu, mu_complement = (lax.stop_gradient(t).astype(x.dtype) for t in (mu, mu_complement))
+    terms = jnp.maximum(x, 0.0) * mu_complement + jnp.maximum(-x, 0.0) * mu
+    return jnp.where(x > -jnp.inf, terms, 0.0).sum(-1) + parts.log_reduced
+
+
+@jax.jit
+def log_constraint_prob_value(logits: jax.Array, k: jax.Array, parts: NormalizerParts):
+    """``log P(sum z = k)`` for independent ``z_i ~ Bernoulli(sigmoid(logits_i))`` (wide
+    dtype, no gradient), without the cancellation of ``log e_k - sum softplus(logits)``:
+
+        log P = log P_x(sum z = k) + sum_i [softplus(x_i) - softplus(logits_i)] - k c,
+
+    the first term under the tilted Bernoullis, ``log_reduced - sum_i log1p(exp(-|x_i|))``,
+    and the second ``-sum_i D_i + c (sum_i sigmoid(x_i) - k)``, where ``D_i >= 0`` is the
+    Bregman divergence of softplus between ``x_i`` and ``logits_i`` and the count difference
+    is summed as small terms plus an integer. Each is evaluated in a form without
+    cancellation for saturated variables."""
+    c = parts.tilt[..., None]
+    x = _tilted(logits, parts.tilt)
+    finite = x > -jnp.inf
+    x = jnp.where(finite, x, 0.0)
+    theta = x - c
+    positive = x >= 0
+    # softplus(w) = max(w, 0) + log1p(exp(-|w|)); D = sp(theta) - sp(x) - sigmoid(x)(theta - x)
+    tail = jnp.log1p(jnp.exp(-jnp.abs(x)))
+    bregman = jnp.where(
+        positive,
+        jnp.maximum(-theta, 0.0) + jax.nn.sigmoid(-x) * (theta - x),
+        jnp.maximum(theta, 0.0) - jax.nn.sigmoid(x) * (theta - x),
+    )
+    bregman = bregman + jnp.log1p(jnp.exp(-jnp.abs(theta))) - tail
+    count_excess = jnp.where(positive, -jax.nn.sigmoid(-x), jax.nn.sigmoid(x))
+    num_positive = (positive & finite).sum(-1)
+    k = jnp.asarray(k)
+    count_excess = jnp.where(finite, count_excess, 0.0).sum(-1) + (num_positive - k)
+    log_tilted = parts.log_reduced - jnp.where(finite, tail, 0.0).sum(-1)
+    shift = -jnp.where(finite, bregman, 0.0).sum(-1) + parts.tilt * count_excess
+    return log_tilted + shift
+
+
+def _marginals_from(flat_k, weights, root, levels, with_complements: bool = False):
     outside = _downward(root.shape[-1], levels, flat_k, weights.dtype)
     on = weights[..., 1] * outside[..., 1]
-    total = weights[..., 0] * outside[..., 0] + on
-    return on / jnp.maximum(total, jnp.finfo(total.dtype).tiny)
+    off = weights[..., 0] * outside[..., 0]
+    total = jnp.maximum(off + on, jnp.finfo(on.dtype).tiny)
+    if with_complements:
+        return on / total, lax.stop_gradient(off / total)
+    return on / total
 
 
 @partial(jax.custom_jvp, nondiff_argnums=(2,))
-def _log_normalizer(logits: jax.Array, k: jax.Array, k_max: int) -> jax.Array:
-    if k_max == 0:  # e_0 = 1
-        return jnp.zeros(logits.shape[:-1], logits.dtype)
-    flat_k, c, _, root, _, log_scale = _prepare(logits, k, k_max)
-    return _log_normalizer_from(logits, flat_k, c, root, log_scale)
+def _log_normalizer(logits: jax.Array, k: jax.Array, k_max: int, parts) -> jax.Array:
+    return log_normalizer_value(logits, k, parts).astype(logits.dtype)
 
 
 @_log_normalizer.defjvp
 def _log_normalizer_jvp(k_max, primals, tangents):
-    logits, k = primals
+    logits, k, parts = primals
     d_logits = tangents[0]
-    if k_max == 0:
-        zeros = jnp.zeros(logits.shape[:-1], logits.dtype)
-        return zeros, zeros
-    flat_k, c, weights, root, levels, log_scale = _prepare(logits, k, k_max)
-    value = _log_normalizer_from(logits, flat_k, c, root, log_scale)
-    mu = _marginals_from(flat_k, weights, root, levels).reshape(logits.shape)
+    value = _log_normalizer(logits, k, k_max, parts)
+    mu = marginals(logits, k, k_max)
     return value, (mu * d_logits).sum(-1)
 
 
 @partial(jax.jit, static_argnames="k_max")
-def log_normalizer(logits: jax.Array, k: jax.Array, k_max: int) -> jax.Array:
+def log_normalizer(
+    logits: jax.Array, k: jax.Array, k_max: int, parts: NormalizerParts | None = None
+) -> jax.Array:
     """log e_k(exp logits), shape ``batch``; its derivative is ``marginals`` (differentiable
-    again, without NaN at ``-inf`` logits)."""
-    return _log_normalizer(logits, jnp.asarray(k), k_max)
+    again, without NaN at ``-inf`` logits). ``parts``: from ``normalizer_parts``, if the
+    caller has them already."""
+    k = jnp.broadcast_to(jnp.asarray(k), logits.shape[:-1])
+    if parts is None:
+        parts = normalizer_parts(logits, k, k_max)
+    return _log_normalizer(logits, k, k_max, parts)
 
 
 @partial(jax.jit, static_argnames="k_max")
@@ -305,6 +472,19 @@ def marginals(logits: jax.Array, k: jax.Array, k_max: int) -> jax.Array:
         return jnp.zeros_like(logits)
     flat_k, _, weights, root, levels, _ = _prepare(logits, jnp.asarray(k), k_max)
     return _marginals_from(flat_k, weights, root, levels).reshape(logits.shape)
+
+
+@partial(jax.jit, static_argnames="k_max")
+def marginals_and_complements(
+    logits: jax.Array, k: jax.Array, k_max: int
+) -> tuple[jax.Array, jax.Array]:
+    """(``marginals``, ``1 - marginals`` without rounding: from the leaves' off-weights, no
+    gradient), so that a marginal near 1 keeps the relative precision of its complement."""
+    if k_max == 0:
+        return jnp.zeros_like(logits), jnp.ones_like(logits)
+    flat_k, _, weights, root, levels, _ = _prepare(logits, jnp.asarray(k), k_max)
+    mu, complement = _marginals_from(flat_k, weights, root, levels, with_complements=True)
+    return mu.reshape(logits.shape), complement.reshape(logits.shape)
 
 
 def _draw(key: jax.Array, root_k: jax.Array, levels, num_samples: int) -> jax.Array:

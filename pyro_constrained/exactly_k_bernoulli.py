@@ -63,6 +63,14 @@ def _as_k(k, logits: torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(k, dtype=torch.long, device=logits.device)
 
 
+def _value_with_gradient_of(value: torch.Tensor, formula: torch.Tensor) -> torch.Tensor:
+    """``value`` (computed accurately, without gradient) carrying the gradient of
+    ``formula``, an expression equal to it in exact arithmetic but with rounding error in
+    floating point; where the formula is not finite, ``value`` alone."""
+    difference = formula - formula.detach()
+    return value + torch.where(torch.isfinite(formula), difference, 0.0)
+
+
 def _logits_from_probs(probs: torch.Tensor) -> torch.Tensor:
     # Exact 0 and 1 map to -inf and +inf (torch's probs_to_logits clamps them instead).
     return torch.log(probs) - torch.log1p(-probs)
@@ -135,21 +143,26 @@ class ExactlyKBernoulli(TorchDistribution):
         self._check_k()
 
     def _check_k(self) -> None:
-        """k in 0..n and feasible with the infinite logits; sets ``_k_max``. These checks run
-        whatever validate_args says: nothing is defined without them."""
+        """With validation on, k in 0..n and feasible with the infinite logits (ValueError
+        otherwise). Sets ``_k_max`` and, with validation off, marks the batch elements whose
+        constraint is impossible: their log-probabilities are ``-inf``."""
         n = self.event_shape[0]
-        if self.k.numel() and (self.k.min() < 0 or self.k.max() > n):
-            raise ValueError(f"k must be in 0..n = 0..{n}, got {self.k.unique().tolist()}")
         with torch.no_grad():
             forced_on = (self.logits == torch.inf).sum(-1)
             forced_off = (self.logits == -torch.inf).sum(-1)
-            impossible = (self.k < forced_on) | (self.k > n - forced_off)
-        if impossible.any():
-            raise ValueError(
-                "logits make the constraint impossible: some batch element has more than k "
-                "logits equal to +inf (probs = 1) or more than n - k equal to -inf (probs = 0)"
-            )
-        self._k_max = int((self.k - forced_on).max()) if self.k.numel() else 0
+            infeasible = (self.k < forced_on) | (self.k > n - forced_off)
+        if self._validate_args:
+            if self.k.numel() and (self.k.min() < 0 or self.k.max() > n):
+                raise ValueError(f"k must be in 0..n = 0..{n}, got {self.k.unique().tolist()}")
+            if infeasible.any():
+                raise ValueError(
+                    "logits make the constraint impossible: some batch element has more "
+                    "than k logits equal to +inf (probs = 1) or more than n - k equal to "
+                    "-inf (probs = 0)"
+                )
+        self._infeasible = infeasible
+        k_free = (self.k - forced_on).clamp(min=0)
+        self._k_max = int(k_free.max().clamp(max=n)) if self.k.numel() else 0
 
     @constraints.dependent_property(is_discrete=True, event_dim=1)
     def support(self) -> KHot:
@@ -169,8 +182,10 @@ class ExactlyKBernoulli(TorchDistribution):
 
     @lazy_property
     def _k_free(self) -> torch.Tensor:
-        """k minus the number of variables forced on: the count among the free ones."""
-        return self.k - self._forced_on.sum(-1)
+        """k minus the number of variables forced on: the count among the free ones, clamped
+        into the feasible range (the infeasible elements' results are overwritten)."""
+        k_free = self.k - self._forced_on.sum(-1)
+        return torch.minimum(k_free.clamp(min=0), self._finite.sum(-1))
 
     @lazy_property
     def _kernel_logits(self) -> torch.Tensor:
@@ -182,27 +197,44 @@ class ExactlyKBernoulli(TorchDistribution):
         return torch.where(self._finite, self.logits, torch.zeros_like(self.logits))
 
     @lazy_property
-    def _log_normalizer(self) -> torch.Tensor:
-        """log e_{k_free}(exp logits) over the finite logits."""
-        return kernels.log_normalizer(self._kernel_logits, self._k_free, self._k_max)
-
-    def _complete_marginals(self, free_marginals: torch.Tensor) -> torch.Tensor:
-        # Deterministic entries get exact 0 / 1 (and zero gradient, which is their derivative).
-        free = self._finite
-        num_free = free.sum(-1)
-        none_left = (self._k_free == 0)[..., None]
-        all_on = (self._k_free == num_free)[..., None]
-        ones = torch.ones_like(free_marginals)
-        zeros = torch.zeros_like(free_marginals)
-        mu = torch.where(all_on, ones, free_marginals)
-        mu = torch.where(none_left, zeros, mu)
-        return torch.where(free, mu, torch.where(self._forced_on, ones, zeros))
+    def _normalizer_parts(self) -> kernels.NormalizerParts:
+        return kernels.normalizer_parts(self._kernel_logits, self._k_free, self._k_max)
 
     @lazy_property
+    def _log_normalizer(self) -> torch.Tensor:
+        """log e_{k_free}(exp logits) over the finite logits (-inf where infeasible)."""
+        log_norm = kernels.log_normalizer(
+            self._kernel_logits, self._k_free, self._k_max, self._normalizer_parts
+        )
+        return torch.where(self._infeasible, -torch.inf, log_norm)
+
+    @lazy_property
+    def _deterministic(self) -> torch.Tensor:
+        """Batch elements with a single k-hot vector in the support."""
+        return (self._k_free == 0) | (self._k_free == self._finite.sum(-1))
+
+    def _complete(self, free: torch.Tensor, forced_on: float, forced_off: float, none_left: float):
+        # Deterministic entries get exact values (and zero gradient, which is their derivative).
+        num_free = self._finite.sum(-1)
+        all_on = (self._k_free == num_free)[..., None]
+        value = torch.where(all_on, 1.0 - none_left, free)
+        value = torch.where((self._k_free == 0)[..., None], none_left, value)
+        constant = torch.where(self._forced_on, forced_on, forced_off)
+        value = torch.where(self._finite, value, constant)
+        return torch.where(self._infeasible[..., None], torch.nan, value)
+
+    @lazy_property
+    def _marginal_pair(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mu, 1 - mu): mu_i = P(z_i = 1 | sum z = k), differentiable in the logits; its
+        complement computed without rounding (no gradient)."""
+        free, free_complement = kernels.marginals_and_complements(
+            self._kernel_logits, self._k_free, self._k_max
+        )
+        return self._complete(free, 1.0, 0.0, 0.0), self._complete(free_complement, 0.0, 1.0, 1.0)
+
+    @property
     def _marginal_probs(self) -> torch.Tensor:
-        """mu_i = P(z_i = 1 | sum z = k), differentiable in the logits."""
-        free = kernels.marginals(self._kernel_logits, self._k_free, self._k_max)
-        return self._complete_marginals(free)
+        return self._marginal_pair[0]
 
     @property
     def mean(self) -> torch.Tensor:
@@ -210,8 +242,8 @@ class ExactlyKBernoulli(TorchDistribution):
 
     @property
     def variance(self) -> torch.Tensor:
-        mu = self._marginal_probs
-        return mu * (1 - mu)
+        mu, complement = self._marginal_pair
+        return mu * complement
 
     @property
     def marginals(self) -> Bernoulli:
@@ -228,21 +260,39 @@ class ExactlyKBernoulli(TorchDistribution):
         ranks = torch.empty_like(order).scatter_(-1, order, positions)
         return (ranks < self.k[..., None]).to(self.logits.dtype)
 
+    def _validate_sample(self, value: torch.Tensor) -> None:
+        super()._validate_sample(value)
+        on = value == 1
+        if ((on & (self.logits == -torch.inf)) | (~on & self._forced_on)).any():
+            raise ValueError(
+                "ExactlyKBernoulli.log_prob: value puts a 1 where the logit is -inf (probs = 0) "
+                "or a 0 where it is +inf (probs = 1): it is outside the support"
+            )
+
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
         """``theta . z - log e_k(exp theta)`` for k-hot ``z`` (counting measure); ``-inf``
         outside the support when validation is off. Differentiable in ``value`` too, so a
-        straight-through sample passes its gradient on."""
+        straight-through sample passes its gradient on.
+
+        The value is computed from the tilted logits (``kernels.log_prob_value``), exact to
+        the dtype's precision for logits of any size; the gradient is that of the formula."""
         if self._validate_args:
             self._validate_sample(value)
         on = value == 1
         possible = self.support.check(value)
         possible = possible & ~(on & (self.logits == -torch.inf)).any(-1)
         possible = possible & ~(~on & self._forced_on).any(-1)
-        score = (self._finite_logits * value).sum(-1) - self._log_normalizer
+        possible = possible & ~self._infeasible
+        dtype = torch.promote_types(self.logits.dtype, value.dtype)
+        exact = kernels.log_prob_value(self._kernel_logits, self._normalizer_parts, value)
+        exact = torch.where(self._deterministic, 0.0, exact)
+        formula = (self._finite_logits * value).sum(-1) - self._log_normalizer
+        score = _value_with_gradient_of(exact.to(dtype), formula)
         return torch.where(possible, score, torch.full_like(score, -torch.inf))
 
     def sample(self, sample_shape: tuple[int, ...] = ()) -> torch.Tensor:
         """Exact draws of the conditional distribution: 0.0 / 1.0 entries summing to k."""
+        self._check_can_sample()
         with torch.no_grad():
             z = kernels.sample(self._kernel_logits, self._k_free, self._k_max, sample_shape)
             return torch.where(self._forced_on, torch.ones_like(z), z)
@@ -250,22 +300,46 @@ class ExactlyKBernoulli(TorchDistribution):
     def rsample(self, sample_shape: tuple[int, ...] = ()) -> torch.Tensor:
         """An exact sample ``z`` with the straight-through marginal gradient:
         ``z + (mu - mu.detach())`` (its value is exactly ``z``)."""
+        self._check_can_sample()
         z, free = kernels.sample_and_marginals(
             self._kernel_logits, self._k_free, self._k_max, sample_shape
         )
         z = torch.where(self._forced_on, torch.ones_like(z), z.detach())
-        mu = self._complete_marginals(free)
+        mu = self._complete(free, 1.0, 0.0, 0.0)
         return z + (mu - mu.detach())
 
+    def _check_can_sample(self) -> None:
+        if self._infeasible.any():
+            raise ValueError(
+                "ExactlyKBernoulli.sample: the constraint is impossible for some batch element "
+                "(k outside 0..n, or infinite logits that rule out every k-hot vector)"
+            )
+
     def entropy(self) -> torch.Tensor:
-        """``H = log e_k(exp theta) - theta . mu`` (over the finite logits)."""
-        return self._log_normalizer - (self._finite_logits * self._marginal_probs).sum(-1)
+        """``H = log e_k(exp theta) - theta . mu`` (over the finite logits), evaluated as a
+        sum of non-negative terms of the tilted logits (``kernels.cross_entropy_value``);
+        NaN where the constraint is impossible."""
+        mu, complement = self._marginal_pair
+        exact = kernels.cross_entropy_value(
+            self._kernel_logits, self._normalizer_parts, mu, complement
+        )
+        exact = torch.where(self._deterministic, 0.0, exact)
+        formula = self._log_normalizer - (self._finite_logits * mu).sum(-1)
+        entropy = _value_with_gradient_of(exact.to(self.logits.dtype), formula)
+        return torch.where(self._infeasible, torch.nan, entropy)
 
     def log_constraint_prob(self) -> torch.Tensor:
         """``log P(sum z = k)`` under the unconstrained Bernoullis (Poisson-binomial pmf):
-        ``log e_k(exp theta) - sum_i softplus(theta_i)``, shape ``batch``."""
+        ``log e_k(exp theta) - sum_i softplus(theta_i)``, shape ``batch``, evaluated without
+        that difference's cancellation (``kernels.log_constraint_prob_value``); ``-inf``
+        where the constraint is impossible."""
+        exact = kernels.log_constraint_prob_value(
+            self._kernel_logits, self._k_free, self._normalizer_parts
+        )
         softplus = torch.where(self._finite, _softplus(self._finite_logits), 0.0)
-        return self._log_normalizer - softplus.sum(-1)
+        formula = self._log_normalizer - softplus.sum(-1)
+        value = _value_with_gradient_of(exact.to(self.logits.dtype), formula)
+        return torch.where(self._infeasible, -torch.inf, value)
 
     def expand(self, batch_shape, _instance=None) -> "ExactlyKBernoulli":
         new = self._get_checked_instance(ExactlyKBernoulli, _instance)
@@ -275,6 +349,7 @@ class ExactlyKBernoulli(TorchDistribution):
             new.probs = self.probs.expand(batch_shape + self.event_shape)
         new.k = self.k.expand(batch_shape)
         new._k_max = self._k_max
+        new._infeasible = self._infeasible.expand(batch_shape)
         super(ExactlyKBernoulli, new).__init__(batch_shape, self.event_shape, validate_args=False)
         new._validate_args = self._validate_args
         return new
@@ -294,16 +369,26 @@ class ExactlyKBernoulli(TorchDistribution):
 @register_kl(ExactlyKBernoulli, ExactlyKBernoulli)
 def _kl_exactly_k_bernoulli(p: ExactlyKBernoulli, q: ExactlyKBernoulli) -> torch.Tensor:
     """``KL(p || q) = mu_p . (theta_p - theta_q) - log e_k(p) + log e_k(q)`` over finite
-    logits; ``+inf`` where p puts mass on a vector that q forbids."""
+    logits; ``+inf`` where p puts mass on a vector that q forbids. Evaluated as the
+    difference of two cross-entropies of the tilted logits (``kernels.cross_entropy_value``),
+    exactly 0 for p = q and exact for logits of any size; the gradient is the formula's."""
     if p.event_shape != q.event_shape:
         raise ValueError(f"KL needs the same n, got {p.event_shape[0]} and {q.event_shape[0]}")
     if not torch.equal(*torch.broadcast_tensors(p.k, q.k)):
         raise ValueError("KL between ExactlyKBernoulli needs the same k")
-    mu = p._marginal_probs
-    cross = (mu * q._finite_logits).sum(-1)
-    own = (mu * p._finite_logits).sum(-1)
-    kl = own - cross - p._log_normalizer + q._log_normalizer
+    mu, complement = p._marginal_pair
+    cross = kernels.cross_entropy_value(q._kernel_logits, q._normalizer_parts, mu, complement)
+    own = kernels.cross_entropy_value(p._kernel_logits, p._normalizer_parts, mu, complement)
+    exact = torch.where(p._deterministic & q._deterministic, 0.0, cross - own)
+    formula = (
+        (mu * p._finite_logits).sum(-1)
+        - (mu * q._finite_logits).sum(-1)
+        - p._log_normalizer
+        + q._log_normalizer
+    )
+    kl = _value_with_gradient_of(exact.to(formula.dtype), formula)
     forbidden = q.logits == -torch.inf
     required = q._forced_on
     escapes = ((mu > 0) & forbidden).any(-1) | ((mu < 1) & required).any(-1)
-    return torch.where(escapes, torch.full_like(kl, torch.inf), kl)
+    kl = torch.where(escapes, torch.inf, kl)
+    return torch.where(p._infeasible | q._infeasible, torch.nan, kl)

@@ -67,6 +67,12 @@ _TILT_STEPS = 6
 # A step below this leaves the expected count within about 1e-4 of k (measured; Newton
 # converges quadratically), far closer than the tables need.
 _TILT_TOLERANCE = 0.1
+# Rows that have not converged after _TILT_STEPS, or whose count distribution is nearly
+# deterministic at the result (variance below _TILT_FLAT, where the expected count can be
+# flat to working precision far from the root), start again from order statistics
+# (_restart_tilt) and may take up to _TILT_MAX_STEPS steps.
+_TILT_FLAT = 0.1
+_TILT_MAX_STEPS = 60
 # Node-major convolutions are computed by shifting and adding in place for float64 always,
 # and float64 correlations up to _SHIFT_WIDTH (wider ones: Toeplitz matrix-vector products,
 # and FFT from _FFT_WIDTH_FLOAT64); in float32 both up to _SHIFT_WIDTH_FLOAT32 (wider ones:
@@ -86,54 +92,97 @@ _DRAW_BLOCK_BYTES = 3145728
 
 def tilt(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """A constant c per batch element (shape ``batch + (1,)``, no gradient) with
-    ``sum_i sigmoid(logits_i + c) ~= k``.
+    ``sum_i sigmoid(logits_i + c) ~= k``, for any finite logits however large.
 
     Newton's method on ``g(c) = log f(c) - log(n - f(c))``, f the expected count: g is
     increasing and close to linear with slope 1 in both tails (where Newton on f itself
-    crawls). ``n - f`` counts each ``-inf`` logit (never on) as off, so no mask is needed; its
-    absolute error (eps per term) matters only where it is tiny, far from the root. Steps
-    that leave the bracket ``[logit(t/m) - max x, logit(t/m) - min x]`` (m the number of finite
-    logits), which provably holds the root, are replaced by bisection, and the iteration stops
-    once every step is below ``_TILT_TOLERANCE`` (usually after 2 or 3 steps). The target count t
-    is clamped to [1/2, m - 1/2] because the exact solution is infinite for k = 0 and k = m;
-    any finite c leaves the distribution unchanged, and the tables only need c roughly right.
+    crawls). ``n - f`` counts each ``-inf`` logit (never on) as off, so no mask is needed.
+    Steps that leave a bracket that provably holds the root are replaced by bisection, and
+    the iteration stops once every step is below ``_TILT_TOLERANCE`` (usually after 2 or 3
+    steps from the bracket ``[logit(t/m) - max x, logit(t/m) - min x]``, m the number of
+    finite logits). That bracket is as wide as the spread of the logits: with masked logits
+    (-1e4, -1e9) bisection cannot narrow it in a few steps, and inside a wide gap between
+    the logits f is constant to working precision, so Newton may stop anywhere in the gap.
+    Rows where either can have happened restart from order statistics (``_restart_tilt``).
+    The target count t is clamped to [1/2, m - 1/2] because the exact solution is infinite
+    for k = 0 and k = m; any finite c leaves the distribution unchanged, and the tables
+    only need c roughly right.
     """
     with torch.no_grad():
         logits = logits.detach()
-        n = logits.shape[-1]
         finite = logits > -torch.inf  # the caller allows no +inf or NaN
         num_finite = finite.sum(-1, keepdim=True).to(logits.dtype)
+        target = _tilt_target(k, num_finite)
         m = num_finite.clamp(min=1.0)
-        target = torch.minimum(k.to(logits.dtype)[..., None].clamp(min=0.5), m - 0.5)
-        target = target.clamp(min=0.25)  # m = 1: any c in a wide range will do
         largest = logits.amax(-1, keepdim=True)
         smallest = torch.where(finite, logits, torch.inf).amin(-1, keepdim=True)
         center = torch.log(target) - torch.log(m - target)
         low = torch.where(num_finite > 0, center - largest, 0.0)
         high = torch.where(num_finite > 0, center - smallest, 0.0)
-        goal = torch.log(target) - torch.log(n - target)
-        c = 0.5 * (low + high)
-        # One buffer for all steps (fresh multi-megabyte tensors cost page faults); sums in
-        # float64, so that n - f keeps its precision when f is close to n.
-        on = torch.empty_like(logits)
-        for _ in range(_TILT_STEPS):
-            torch.add(logits, c, out=on).sigmoid_()
-            count_on = on.sum(-1, keepdim=True, dtype=torch.float64)
-            count_off = n - count_on
-            slope = count_on - on.square_().sum(-1, keepdim=True, dtype=torch.float64)
-            count_on, count_off, slope = (t.to(logits.dtype) for t in (count_on, count_off, slope))
-            g = torch.log(count_on) - torch.log(count_off)
-            too_many = g > goal
-            high = torch.where(too_many, c, high)
-            low = torch.where(too_many, low, c)
-            newton = c - (g - goal) / (slope * (1.0 / count_on + 1.0 / count_off))
-            inside = (newton >= low) & (newton <= high)  # False for NaN steps too
-            step = torch.where(inside, newton, 0.5 * (low + high)) - c
-            c = c + step
-            # The tables only need c to within a small fraction of a unit of log-odds.
-            if bool((step.abs() <= _TILT_TOLERANCE).all()):
-                break
+        c, settled = _newton(logits, target, low, high, 0.5 * (low + high), _TILT_STEPS)
+        unsettled = ~settled & (num_finite[:, 0] > 1)
+        if bool(unsettled.any()):
+            rows = unsettled.nonzero()[:, 0]
+            c[rows] = _restart_tilt(logits[rows], target[rows], num_finite[rows])
         return c
+
+
+def _tilt_target(k: torch.Tensor, num_finite: torch.Tensor) -> torch.Tensor:
+    m = num_finite.clamp(min=1.0)
+    target = torch.minimum(k.to(num_finite.dtype)[..., None].clamp(min=0.5), m - 0.5)
+    return target.clamp(min=0.25)  # m = 1: any c in a wide range will do
+
+
+def _newton(logits, target, low, high, c, max_steps: int):
+    """Safeguarded Newton steps on g (see ``tilt``) from ``c`` inside ``[low, high]``.
+    Returns (c, settled): settled rows took a last step below ``_TILT_TOLERANCE`` at a
+    count variance of at least ``_TILT_FLAT``."""
+    n = logits.shape[-1]
+    goal = torch.log(target) - torch.log(n - target)
+    # One buffer for all steps (fresh multi-megabyte tensors cost page faults); sums in
+    # float64, so that n - f keeps its precision when f is close to n.
+    on = torch.empty_like(logits)
+    for _ in range(max_steps):
+        torch.add(logits, c, out=on).sigmoid_()
+        count_on = on.sum(-1, keepdim=True, dtype=torch.float64)
+        count_off = n - count_on
+        slope = count_on - on.square_().sum(-1, keepdim=True, dtype=torch.float64)
+        count_on, count_off, slope = (t.to(logits.dtype) for t in (count_on, count_off, slope))
+        g = torch.log(count_on) - torch.log(count_off)
+        too_many = g > goal
+        high = torch.where(too_many, c, high)
+        low = torch.where(too_many, low, c)
+        newton = c - (g - goal) / (slope * (1.0 / count_on + 1.0 / count_off))
+        inside = (newton >= low) & (newton <= high)  # False for NaN steps too
+        step = torch.where(inside, newton, 0.5 * (low + high)) - c
+        c = c + step
+        # The tables only need c to within a small fraction of a unit of log-odds.
+        settled = (step.abs() <= _TILT_TOLERANCE) & (slope >= _TILT_FLAT)
+        if bool(((step.abs() <= _TILT_TOLERANCE) | (high - low <= _TILT_TOLERANCE)).all()):
+            break
+    return c, settled[:, 0]
+
+
+def _restart_tilt(logits, target, num_finite):
+    """The tilt of rows whose first attempt did not settle, from the order statistics
+    ``a = x_(ceil t)`` and ``b = x_(floor t + 1)`` (descending): at
+    ``c = -b + log(t / (floor t + 1 - t))`` the largest ``floor t + 1`` terms alone reach
+    the count t, and at ``c = -a - log((m - t) / (t - ceil t + 1))`` the terms from rank
+    ``ceil t`` down cannot lift it above t, so the root lies between, a bracket only
+    ``a - b + O(log m)`` wide. When a - b is large (a gap), the root is within
+    ``log(m) / 2`` of ``-(a + b) / 2 + log(t / (m - t)) / 2`` (the two saturated tails
+    balance there), where Newton starts; f may be flat there to working precision, but the
+    start is already as close as the tables need."""
+    descending = logits.sort(-1, descending=True).values
+    above = torch.ceil(target).long() - 1
+    below = torch.floor(target).long()
+    a = descending.gather(-1, above)
+    b = descending.gather(-1, below.clamp(max=logits.shape[-1] - 1))
+    low = -a - torch.log((num_finite - target) / (target - above - 0.0))
+    high = -b + torch.log(target / (below + 1.0 - target))
+    start = -(0.5 * a + 0.5 * b) + 0.5 * (torch.log(target) - torch.log(num_finite - target))
+    start = torch.minimum(torch.maximum(start, low), high)
+    return _newton(logits, target, low, high, start, _TILT_MAX_STEPS)[0]
 
 
 # ----------------------------------------------------------------------------------------
@@ -283,18 +332,16 @@ def _rescale(table: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Te
     return table, largest.squeeze(dim)
 
 
-def _leaves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _leaves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Leaf tables ``[1, exp(x_i)]`` divided by their largest entry exp(max(x_i, 0)):
-    returns (``[exp(-max(x, 0)), exp(x - max(x, 0))]`` (unflushed), the flushed tables
-    width-major, (batch, 2, n), and the sum of the log factors)."""
+    returns (``[exp(-max(x, 0)), exp(x - max(x, 0))]`` (unflushed) and the flushed tables,
+    both width-major, (batch, 2, n)). The log factors, ``max(x_i, 0)``, are added back in
+    float64 by ``log_normalizer_value``."""
     shift = x.detach().clamp(min=0.0)
-    # The per-batch sums of log factors are accumulated in float64: in float32 they can be
-    # large and nearly cancel against k c.
-    log_scale = shift.sum(-1, dtype=torch.float64)
     on = (x - shift).exp_()
     weights = torch.stack([shift.neg_().exp_(), on], dim=1)
     tables = F.threshold(weights, torch.finfo(x.dtype).tiny ** 0.5, 0.0)
-    return weights, tables, log_scale
+    return weights, tables
 
 
 class _Level(NamedTuple):
@@ -400,66 +447,188 @@ def _flatten(logits: torch.Tensor, k: torch.Tensor):
 
 
 def _prepare(logits: torch.Tensor, k: torch.Tensor, k_max: int, with_log_scale: bool = False):
-    """Flattened tilted inputs, leaf weights, and the upward pass."""
+    """Flattened tilted inputs, leaf weights, and the upward pass (``log_scale``: the sum of
+    the internal nodes' log factors, float64, when ``with_log_scale``)."""
     flat_logits, flat_k, batch_shape = _flatten(logits, k)
     c = tilt(flat_logits, flat_k)
-    x = flat_logits + c
-    weights, leaf_tables, leaf_log_scale = _leaves(x)
+    weights, leaf_tables = _leaves(flat_logits + c)
     root, levels, log_scale = _upward(leaf_tables, k_max, with_log_scale)
-    if with_log_scale:
-        log_scale = log_scale + leaf_log_scale
     return flat_k, batch_shape, c[:, 0], weights, root, levels, log_scale
 
 
-def _log_normalizer(logits: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tensor:
-    if k_max == 0:  # e_0 = 1
-        return logits.new_zeros(logits.shape[:-1])
-    flat_k, batch_shape, c, _, root, _, log_scale = _prepare(logits, k, k_max, True)
-    root_k = root.gather(-1, flat_k.long()[:, None])[:, 0]
-    log_norm = log_scale - flat_k.to(torch.float64) * c.to(torch.float64)
-    log_norm = torch.log(root_k) + log_norm.to(logits.dtype)
-    return log_norm.reshape(batch_shape)
+class NormalizerParts(NamedTuple):
+    """The log normaliser in two parts that keep their precision for logits of any size
+    (float64, shape ``batch``, no gradient): with ``x = logits + tilt``,
+
+        log e_k(exp logits) = log_reduced + sum_i max(x_i, 0) - k tilt,
+
+    where ``log_reduced = log e_k(exp x) - sum_i max(x_i, 0)`` is the log of the root's
+    entry k times the internal nodes' factors. Every quantity that is a small difference of
+    large terms when written with the logits (log_prob, entropy, KL, the constraint
+    probability) is a sum of terms of one sign when written with ``x`` and ``log_reduced``
+    (the ``*_value`` functions below); a saturated variable (``|x_i|`` beyond the dtype's
+    precision) then contributes exactly nothing, as conditioning on its value would."""
+
+    tilt: torch.Tensor
+    log_reduced: torch.Tensor
 
 
-def _leaf_marginals(weights: torch.Tensor, outside: torch.Tensor) -> torch.Tensor:
+def normalizer_parts(logits: torch.Tensor, k: torch.Tensor, k_max: int) -> NormalizerParts:
+    """The parts of ``log e_k(exp logits)`` (see ``NormalizerParts``), from one upward pass."""
+    with torch.no_grad():
+        logits = logits.detach()
+        if k_max == 0:  # e_0 = 1: no tilt, log_reduced = -sum max(logits, 0)
+            zero_tilt = logits.new_zeros(logits.shape[:-1], dtype=torch.float64)
+            return NormalizerParts(zero_tilt, -_positive_part_sum(_tilted(logits, zero_tilt)))
+        flat_k, batch_shape, c, _, root, _, log_scale = _prepare(logits, k, k_max, True)
+        root_k = root.gather(-1, flat_k.long()[:, None])[:, 0]
+        log_reduced = torch.log(root_k).to(torch.float64) + log_scale
+        return NormalizerParts(
+            c.to(torch.float64).reshape(batch_shape), log_reduced.reshape(batch_shape)
+        )
+
+
+def _tilted(logits: torch.Tensor, tilt: torch.Tensor) -> torch.Tensor:
+    """``x = logits + tilt`` in float64 (``-inf`` stays ``-inf``)."""
+    return logits.detach().to(torch.float64) + tilt[..., None]
+
+
+def _positive_part_sum(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp(min=0.0).sum(-1)
+
+
+def log_normalizer_value(logits: torch.Tensor, k: torch.Tensor, parts: NormalizerParts):
+    """``log e_k(exp logits)`` in float64 from its parts."""
+    x = _tilted(logits, parts.tilt)
+    return parts.log_reduced + _positive_part_sum(x) - k.to(torch.float64) * parts.tilt
+
+
+def log_prob_value(logits: torch.Tensor, parts: NormalizerParts, value: torch.Tensor):
+    """``logits . z - log e_k(exp logits)`` for k-hot ``z`` (float64, no gradient), as
+    ``sum_i (x_i z_i - max(x_i, 0)) - log_reduced``: every term is 0 or has the sign of the
+    penalty it stands for, so nothing cancels."""
+    x = _tilted(logits, parts.tilt)
+    z = value.detach().to(torch.float64)
+    terms = torch.where(x > -torch.inf, x * z - x.clamp(min=0.0), 0.0)
+    return terms.sum(-1) - parts.log_reduced
+
+
+def cross_entropy_value(
+    logits: torch.Tensor, parts: NormalizerParts, mu: torch.Tensor, mu_complement: torch.Tensor
+) -> torch.Tensor:
+    """``-E[log q(z)]`` for q the distribution of ``logits`` (with ``parts``) and z with
+    marginals ``mu`` (``mu_complement = 1 - mu``, computed without rounding): with x the
+    tilted logits of q, ``log_reduced + sum_i max(x_i, 0) (1 - mu_i) + max(-x_i, 0) mu_i``,
+    a sum of non-negative terms after ``log_reduced``. With q the distribution of ``mu``
+    itself this is its entropy. float64, no gradient."""
+    x = _tilted(logits, parts.tilt)
+    mu, mu_complement = (t.detach().to(torch.float64) for t in (mu, mu_complement))
+    terms = x.clamp(min=0.0) * mu_complement + (-x).clamp(min=0.0) * mu
+    return torch.where(x > -torch.inf, terms, 0.0).sum(-1) + parts.log_reduced
+
+
+def log_constraint_prob_value(logits: torch.Tensor, k: torch.Tensor, parts: NormalizerParts):
+    """``log P(sum z = k)`` for independent ``z_i ~ Bernoulli(sigmoid(logits_i))`` (float64,
+    no gradient), without the cancellation of ``log e_k - sum softplus(logits)``:
+
+        log P = log P_x(sum z = k) + sum_i [softplus(x_i) - softplus(logits_i)] - k c,
+
+    the first term under the tilted Bernoullis, ``log_reduced - sum_i log1p(exp(-|x_i|))``,
+    and the second ``-sum_i D_i + c (sum_i sigmoid(x_i) - k)``, where ``D_i >= 0`` is the
+    Bregman divergence of softplus between ``x_i`` and ``logits_i`` and the count difference
+    is summed as small terms plus an integer. Each is evaluated in a form without
+    cancellation for saturated variables."""
+    c = parts.tilt[..., None]
+    x = _tilted(logits, parts.tilt)
+    finite = x > -torch.inf
+    x = torch.where(finite, x, 0.0)
+    theta = x - c
+    positive = x >= 0
+    # softplus(w) = max(w, 0) + log1p(exp(-|w|)); D = sp(theta) - sp(x) - sigmoid(x)(theta - x)
+    tail = torch.log1p(torch.exp(-x.abs()))
+    bregman = torch.where(
+        positive,
+        (-theta).clamp(min=0.0) + torch.sigmoid(-x) * (theta - x),
+        theta.clamp(min=0.0) - torch.sigmoid(x) * (theta - x),
+    )
+    bregman = bregman + torch.log1p(torch.exp(-theta.abs())) - tail
+    count_excess = torch.where(positive, -torch.sigmoid(-x), torch.sigmoid(x))
+    num_positive = (positive & finite).sum(-1)
+    count_excess = torch.where(finite, count_excess, 0.0).sum(-1) + (num_positive - k)
+    log_tilted = parts.log_reduced - torch.where(finite, tail, 0.0).sum(-1)
+    shift = -torch.where(finite, bregman, 0.0).sum(-1) + parts.tilt * count_excess
+    return log_tilted + shift
+
+
+def _leaf_marginals(weights: torch.Tensor, outside: torch.Tensor, with_complements: bool):
     on = weights[:, 1] * outside[:, 1]
-    total = weights[:, 0] * outside[:, 0] + on
-    return on / total.clamp(min=torch.finfo(total.dtype).tiny)
+    off = weights[:, 0] * outside[:, 0]
+    total = (off + on).clamp(min=torch.finfo(on.dtype).tiny)
+    if with_complements:
+        return on / total, (off / total).detach()
+    return on / total
 
 
-def _marginals_from(k, weights, root, levels) -> torch.Tensor:
-    return _leaf_marginals(weights, _downward(root.shape[-1], levels, k, weights.dtype))
+def _marginals_from(k, weights, root, levels, with_complements: bool = False):
+    outside = _downward(root.shape[-1], levels, k, weights.dtype)
+    return _leaf_marginals(weights, outside, with_complements)
+
+
+def _zeros_with_gradient(logits: torch.Tensor) -> torch.Tensor:
+    """Zeros that depend on the logits (with zero derivative), so that a caller's backward
+    pass gets zero gradients rather than none."""
+    return torch.where(logits > -torch.inf, logits, 0.0) * 0.0
 
 
 class _LogNormalizer(torch.autograd.Function):
-    """log e_k(exp logits) with the marginals as its gradient; the backward pass is built
-    from differentiable operations, so second derivatives work (create_graph=True)."""
+    """log e_k(exp logits) (from precomputed parts) with the marginals as its gradient; the
+    backward pass is built from differentiable operations, so second derivatives work
+    (create_graph=True)."""
 
     @staticmethod
-    def forward(ctx, logits, k, k_max):
+    def forward(ctx, logits, k, k_max, tilt, log_reduced):
         ctx.save_for_backward(logits, k)
         ctx.k_max = k_max
-        return _log_normalizer(logits.detach(), k, k_max)
+        value = log_normalizer_value(logits, k, NormalizerParts(tilt, log_reduced))
+        return value.to(logits.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         logits, k = ctx.saved_tensors
-        return grad[..., None] * marginals(logits, k, ctx.k_max), None, None
+        return grad[..., None] * marginals(logits, k, ctx.k_max), None, None, None, None
 
 
-def log_normalizer(logits: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tensor:
+def log_normalizer(
+    logits: torch.Tensor, k: torch.Tensor, k_max: int, parts: NormalizerParts | None = None
+) -> torch.Tensor:
     """log e_k(exp logits), shape ``batch``; its gradient is ``marginals`` (differentiable
-    again, without NaN at ``-inf`` logits)."""
-    return _LogNormalizer.apply(logits, k, k_max)
+    again, without NaN at ``-inf`` logits). ``parts``: from ``normalizer_parts``, if the
+    caller has them already."""
+    if parts is None:
+        parts = normalizer_parts(logits, k, k_max)
+    k = k.expand(logits.shape[:-1])
+    return _LogNormalizer.apply(logits, k, k_max, parts.tilt, parts.log_reduced)
 
 
 def marginals(logits: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tensor:
     """mu_i = P(z_i = 1 | sum z = k) = d log e_k(exp logits) / d logits_i, shape
     ``batch + (n,)``; differentiable again when ``logits`` requires grad."""
     if k_max == 0:
-        return torch.zeros_like(logits)
+        return _zeros_with_gradient(logits)
     flat_k, batch_shape, _, weights, root, levels, _ = _prepare(logits, k, k_max)
     return _marginals_from(flat_k, weights, root, levels).reshape(logits.shape)
+
+
+def marginals_and_complements(
+    logits: torch.Tensor, k: torch.Tensor, k_max: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``marginals``, ``1 - marginals`` without rounding: from the leaves' off-weights, no
+    gradient), so that a marginal near 1 keeps the relative precision of its complement."""
+    if k_max == 0:
+        return _zeros_with_gradient(logits), torch.ones_like(logits).detach()
+    flat_k, batch_shape, _, weights, root, levels, _ = _prepare(logits, k, k_max)
+    mu, complement = _marginals_from(flat_k, weights, root, levels, with_complements=True)
+    return mu.reshape(logits.shape), complement.reshape(logits.shape)
 
 
 def _ones_to_left(counts: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
@@ -510,7 +679,7 @@ def _sample_and_maybe_marginals(logits, k, k_max, sample_shape, with_marginals):
     sample_shape = torch.Size(sample_shape)
     out_shape = sample_shape + logits.shape
     if k_max == 0:
-        return logits.new_zeros(out_shape).detach(), torch.zeros_like(logits)
+        return logits.new_zeros(out_shape).detach(), _zeros_with_gradient(logits)
     flat_k, _, _, weights, root, levels, _ = _prepare(logits, k, k_max)
     with torch.no_grad():
         detached = [

@@ -229,12 +229,18 @@ def test_mode_is_the_most_likely_subset_with_deterministic_ties():
 def test_probs_zero_and_one_work_like_infinite_logits():
     probs = jnp.array([1.0, 0.0, 0.4, 0.7, 0.2])
     logits = jnp.array([INF, -INF, math.log(0.4 / 0.6), math.log(0.7 / 0.3), math.log(0.25)])
-    from_probs = ExactlyKBernoulli(probs=probs, k=2)
-    from_logits = ExactlyKBernoulli(logits=logits, k=2)
+    # Without validation: vectors that the infinite logits rule out get -inf.
+    from_probs = ExactlyKBernoulli(probs=probs, k=2, validate_args=False)
+    from_logits = ExactlyKBernoulli(logits=logits, k=2, validate_args=False)
     subsets = jnp.asarray(oracle.k_subsets(5, 2))
-    np.testing.assert_allclose(
-        from_probs.log_prob(subsets), from_logits.log_prob(subsets), atol=1e-12
-    )
+    log_probs = np.asarray(from_probs.log_prob(subsets))
+    np.testing.assert_allclose(log_probs, from_logits.log_prob(subsets), atol=1e-12)
+    allowed = np.asarray((subsets[:, 0] == 1) & (subsets[:, 1] == 0))
+    assert np.all(log_probs[~allowed] == -INF) and np.all(np.isfinite(log_probs[allowed]))
+    # With validation: such a vector is outside the support, a ValueError.
+    for bad in ([0.0, 1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 1.0, 0.0]):
+        with pytest.raises(ValueError, match="infinite logits allow"):
+            ExactlyKBernoulli(probs=probs, k=2).log_prob(jnp.asarray(bad))
     np.testing.assert_allclose(from_probs.mean, from_logits.mean, atol=1e-12)
     z = from_probs.sample(_key(), (200,))
     assert bool(jnp.all(z[:, 0] == 1) & jnp.all(z[:, 1] == 0) & jnp.all(z.sum(-1) == 2))

@@ -228,10 +228,18 @@ def test_k_zero_and_k_n_are_deterministic(k):
 def test_probs_zero_and_one_work_like_infinite_logits():
     probs = torch.tensor([1.0, 0.0, 0.4, 0.7, 0.2], dtype=torch.float64)
     logits = torch.tensor([INF, -INF, math.log(0.4 / 0.6), math.log(0.7 / 0.3), math.log(0.25)])
-    from_probs = ExactlyKBernoulli(probs=probs, k=2)
-    from_logits = ExactlyKBernoulli(logits=logits.double(), k=2)
+    # Without validation: vectors that the infinite logits rule out get -inf.
+    from_probs = ExactlyKBernoulli(probs=probs, k=2, validate_args=False)
+    from_logits = ExactlyKBernoulli(logits=logits.double(), k=2, validate_args=False)
     subsets = torch.tensor(oracle.k_subsets(5, 2))
-    assert torch.allclose(from_probs.log_prob(subsets), from_logits.log_prob(subsets), atol=1e-12)
+    log_probs = from_probs.log_prob(subsets)
+    assert torch.allclose(log_probs, from_logits.log_prob(subsets), atol=1e-12)
+    allowed = (subsets[:, 0] == 1) & (subsets[:, 1] == 0)
+    assert (log_probs[~allowed] == -INF).all() and torch.isfinite(log_probs[allowed]).all()
+    # With validation: such a vector is outside the support, a ValueError.
+    for bad in ([0.0, 1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 1.0, 0.0]):
+        with pytest.raises(ValueError, match="outside the support"):
+            ExactlyKBernoulli(probs=probs, k=2).log_prob(torch.tensor(bad, dtype=torch.float64))
     assert torch.allclose(from_probs.mean, from_logits.mean, atol=1e-12)
     z = from_probs.sample((200,))
     assert (z[:, 0] == 1).all() and (z[:, 1] == 0).all() and (z.sum(-1) == 2).all()
