@@ -243,7 +243,8 @@ def _rescale(table: jax.Array) -> tuple[jax.Array, jax.Array]:
     tiny = float(info.tiny)
     largest = jnp.maximum(lax.stop_gradient(table).max(-1, keepdims=True), tiny)
     table = jnp.where(table >= largest * tiny**0.5, table, 0.0) / largest
-    return table, jnp.log(largest[..., 0])
+    # The log in the wide dtype: a float32 log is off by eps |log factor|, and n of them add up.
+    return table, jnp.log(largest[..., 0].astype(wide_dtype(table.dtype)))
 
 
 def _leaves(x: jax.Array, k_max: int):
@@ -258,16 +259,17 @@ def _leaves(x: jax.Array, k_max: int):
     return weights, tables
 
 
-def _wide(dtype):
-    # The normaliser's parts and the values computed from them are float64 when x64 is on:
-    # in float32 they are sums of many terms that can be large and nearly cancel.
+def wide_dtype(dtype):
+    """The dtype of the normaliser's parts and of the values computed from them: float64
+    when x64 is on (in float32 they are sums of many terms that can be large and nearly
+    cancel), else ``dtype``."""
     return jnp.promote_types(dtype, jnp.float64) if jax.config.jax_enable_x64 else dtype
 
 
 def _upward(tables: jax.Array, k_max: int):
     """Merge pairs of nodes until one is left. ``tables``: (batch, nodes, width)."""
     levels = []
-    log_scale = jnp.zeros(tables.shape[0], _wide(tables.dtype))
+    log_scale = jnp.zeros(tables.shape[0], wide_dtype(tables.dtype))
     while tables.shape[1] > 1:
         batch, nodes, width = tables.shape
         padded = nodes % 2 == 1
@@ -329,9 +331,9 @@ class NormalizerParts(NamedTuple):
 
 
 def _parts_from(logits, flat_k, c, root, log_scale) -> NormalizerParts:
-    wide = _wide(logits.dtype)
+    wide = wide_dtype(logits.dtype)
     root_k = jnp.take_along_axis(root, flat_k[:, None], axis=-1)[:, 0]
-    log_reduced = jnp.log(root_k).astype(wide) + log_scale.astype(wide)
+    log_reduced = jnp.log(root_k.astype(wide)) + log_scale.astype(wide)
     batch_shape = logits.shape[:-1]
     parts = NormalizerParts(c.astype(wide).reshape(batch_shape), log_reduced.reshape(batch_shape))
     return jax.tree_util.tree_map(lax.stop_gradient, parts)
@@ -339,7 +341,7 @@ def _parts_from(logits, flat_k, c, root, log_scale) -> NormalizerParts:
 
 def _zero_parts(logits: jax.Array) -> NormalizerParts:
     """The parts for k = 0 everywhere: e_0 = 1, no tilt."""
-    zero_tilt = jnp.zeros(logits.shape[:-1], _wide(logits.dtype))
+    zero_tilt = jnp.zeros(logits.shape[:-1], wide_dtype(logits.dtype))
     x = _tilted(logits, zero_tilt)
     return NormalizerParts(zero_tilt, -jnp.maximum(x, 0.0).sum(-1))
 
@@ -393,38 +395,29 @@ def cross_entropy_value(
 
 
 @jax.jit
+@jax.jit
 def log_constraint_prob_value(logits: jax.Array, k: jax.Array, parts: NormalizerParts):
     """``log P(sum z = k)`` for independent ``z_i ~ Bernoulli(sigmoid(logits_i))`` (wide
-    dtype, no gradient), without the cancellation of ``log e_k - sum softplus(logits)``:
+    dtype, no gradient), without the cancellation of ``log e_k - sum softplus(logits)``. With
+    ``softplus(w) = max(w, 0) + log1p(exp(-|w|))`` and ``x = logits + c``,
 
-        log P = log P_x(sum z = k) + sum_i [softplus(x_i) - softplus(logits_i)] - k c,
+        log P = log_reduced + sum_i [max(x_i, 0) - max(logits_i, 0)] - k c
+                - sum_i log1p(exp(-|logits_i|)),
 
-    the first term under the tilted Bernoullis, ``log_reduced - sum_i log1p(exp(-|x_i|))``,
-    and the second ``-sum_i D_i + c (sum_i sigmoid(x_i) - k)``, where ``D_i >= 0`` is the
-    Bregman divergence of softplus between ``x_i`` and ``logits_i`` and the count difference
-    is summed as small terms plus an integer. Each is evaluated in a form without
-    cancellation for saturated variables."""
-    c = parts.tilt[..., None]
-    x = _tilted(logits, parts.tilt)
-    finite = x > -jnp.inf
-    x = jnp.where(finite, x, 0.0)
-    theta = x - c
-    positive = x >= 0
-    # softplus(w) = max(w, 0) + log1p(exp(-|w|)); D = sp(theta) - sp(x) - sigmoid(x)(theta - x)
-    tail = jnp.log1p(jnp.exp(-jnp.abs(x)))
-    bregman = jnp.where(
-        positive,
-        jnp.maximum(-theta, 0.0) + jax.nn.sigmoid(-x) * (theta - x),
-        jnp.maximum(theta, 0.0) - jax.nn.sigmoid(x) * (theta - x),
-    )
-    bregman = bregman + jnp.log1p(jnp.exp(-jnp.abs(theta))) - tail
-    count_excess = jnp.where(positive, -jax.nn.sigmoid(-x), jax.nn.sigmoid(x))
-    num_positive = (positive & finite).sum(-1)
-    k = jnp.asarray(k)
-    count_excess = jnp.where(finite, count_excess, 0.0).sum(-1) + (num_positive - k)
-    log_tilted = parts.log_reduced - jnp.where(finite, tail, 0.0).sum(-1)
-    shift = -jnp.where(finite, bregman, 0.0).sum(-1) + parts.tilt * count_excess
-    return log_tilted + shift
+    and the middle sum is ``c (P - k) + sum logits_i [x_i >= 0 > logits_i]
+    - sum logits_i [logits_i >= 0 > x_i]``, P the number of non-negative ``x_i``: an
+    integer multiple of c plus logits that change sides under the tilt. No term is formed
+    as ``logits + c``, whose rounding would be relative to c, and the large terms are as
+    large as the answer (each side-changing variable costs about its own logit)."""
+    theta = lax.stop_gradient(logits).astype(parts.tilt.dtype)
+    x = theta + parts.tilt[..., None]
+    finite = theta > -jnp.inf
+    x_on, theta_on = (x >= 0) & finite, (theta >= 0) & finite
+    shift = parts.tilt * (x_on.sum(-1) - jnp.asarray(k))
+    shift = shift + jnp.where(x_on & ~theta_on, theta, 0.0).sum(-1)
+    shift = shift - jnp.where(theta_on & ~x_on, theta, 0.0).sum(-1)
+    tails = jnp.where(finite, jnp.log1p(jnp.exp(-jnp.abs(theta))), 0.0).sum(-1)
+    return parts.log_reduced + shift - tails
 
 
 def _marginals_from(flat_k, weights, root, levels, with_complements: bool = False):

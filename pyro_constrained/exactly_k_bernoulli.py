@@ -332,10 +332,14 @@ class ExactlyKBernoulli(TorchDistribution):
         """``log P(sum z = k)`` under the unconstrained Bernoullis (Poisson-binomial pmf):
         ``log e_k(exp theta) - sum_i softplus(theta_i)``, shape ``batch``, evaluated without
         that difference's cancellation (``kernels.log_constraint_prob_value``); ``-inf``
-        where the constraint is impossible."""
-        exact = kernels.log_constraint_prob_value(
-            self._kernel_logits, self._k_free, self._normalizer_parts
-        )
+        where the constraint is impossible. Its tables are float64 whatever the logits'
+        dtype: near the mode, ``log P`` is only about ``-log(n) / 2``, and float32 tables
+        would leave it a relative error of up to ``n eps`` (measured: 3e-5 at n = 1e4)."""
+        parts = self._normalizer_parts
+        if self.logits.dtype != torch.float64:
+            wide_logits = self._kernel_logits.detach().to(torch.float64)
+            parts = kernels.normalizer_parts(wide_logits, self._k_free, self._k_max)
+        exact = kernels.log_constraint_prob_value(self._kernel_logits, self._k_free, parts)
         softplus = torch.where(self._finite, _softplus(self._finite_logits), 0.0)
         formula = self._log_normalizer - softplus.sum(-1)
         value = _value_with_gradient_of(exact.to(self.logits.dtype), formula)

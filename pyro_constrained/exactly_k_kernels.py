@@ -414,7 +414,8 @@ def _upward(tables: torch.Tensor, k_max: int, with_log_scale: bool):
         else:
             tables, factor = merge(left, right)
         if with_log_scale:
-            log_scale = log_scale + torch.log(factor).sum(-1, dtype=torch.float64)
+            # The logs in float64: a float32 log is off by eps |log factor|, and n of them add up.
+            log_scale = log_scale + torch.log(factor.to(torch.float64)).sum(-1)
         levels.append(_Level(left, right, padded, node_major))
     root = tables[:, 0] if node_major else tables[:, :, 0]
     return root, levels, log_scale if with_log_scale else None
@@ -482,7 +483,7 @@ def normalizer_parts(logits: torch.Tensor, k: torch.Tensor, k_max: int) -> Norma
             return NormalizerParts(zero_tilt, -_positive_part_sum(_tilted(logits, zero_tilt)))
         flat_k, batch_shape, c, _, root, _, log_scale = _prepare(logits, k, k_max, True)
         root_k = root.gather(-1, flat_k.long()[:, None])[:, 0]
-        log_reduced = torch.log(root_k).to(torch.float64) + log_scale
+        log_reduced = torch.log(root_k.to(torch.float64)) + log_scale
         return NormalizerParts(
             c.to(torch.float64).reshape(batch_shape), log_reduced.reshape(batch_shape)
         )
@@ -529,35 +530,25 @@ def cross_entropy_value(
 
 def log_constraint_prob_value(logits: torch.Tensor, k: torch.Tensor, parts: NormalizerParts):
     """``log P(sum z = k)`` for independent ``z_i ~ Bernoulli(sigmoid(logits_i))`` (float64,
-    no gradient), without the cancellation of ``log e_k - sum softplus(logits)``:
+    no gradient), without the cancellation of ``log e_k - sum softplus(logits)``. With
+    ``softplus(w) = max(w, 0) + log1p(exp(-|w|))`` and ``x = logits + c``,
 
-        log P = log P_x(sum z = k) + sum_i [softplus(x_i) - softplus(logits_i)] - k c,
+        log P = log_reduced + sum_i [max(x_i, 0) - max(logits_i, 0)] - k c
+                - sum_i log1p(exp(-|logits_i|)),
 
-    the first term under the tilted Bernoullis, ``log_reduced - sum_i log1p(exp(-|x_i|))``,
-    and the second ``-sum_i D_i + c (sum_i sigmoid(x_i) - k)``, where ``D_i >= 0`` is the
-    Bregman divergence of softplus between ``x_i`` and ``logits_i`` and the count difference
-    is summed as small terms plus an integer. Each is evaluated in a form without
-    cancellation for saturated variables."""
-    c = parts.tilt[..., None]
-    x = _tilted(logits, parts.tilt)
-    finite = x > -torch.inf
-    x = torch.where(finite, x, 0.0)
-    theta = x - c
-    positive = x >= 0
-    # softplus(w) = max(w, 0) + log1p(exp(-|w|)); D = sp(theta) - sp(x) - sigmoid(x)(theta - x)
-    tail = torch.log1p(torch.exp(-x.abs()))
-    bregman = torch.where(
-        positive,
-        (-theta).clamp(min=0.0) + torch.sigmoid(-x) * (theta - x),
-        theta.clamp(min=0.0) - torch.sigmoid(x) * (theta - x),
-    )
-    bregman = bregman + torch.log1p(torch.exp(-theta.abs())) - tail
-    count_excess = torch.where(positive, -torch.sigmoid(-x), torch.sigmoid(x))
-    num_positive = (positive & finite).sum(-1)
-    count_excess = torch.where(finite, count_excess, 0.0).sum(-1) + (num_positive - k)
-    log_tilted = parts.log_reduced - torch.where(finite, tail, 0.0).sum(-1)
-    shift = -torch.where(finite, bregman, 0.0).sum(-1) + parts.tilt * count_excess
-    return log_tilted + shift
+    and the middle sum is ``c (P - k) + sum logits_i [x_i >= 0 > logits_i]
+    - sum logits_i [logits_i >= 0 > x_i]``, P the number of non-negative ``x_i``: an
+    integer multiple of c plus logits that change sides under the tilt. No term is formed
+    as ``logits + c``, whose rounding would be relative to c, and the large terms are as
+    large as the answer (each side-changing variable costs about its own logit)."""
+    theta = logits.detach().to(torch.float64)
+    x = theta + parts.tilt[..., None]
+    finite = theta > -torch.inf
+    x_on, theta_on = (x >= 0) & finite, (theta >= 0) & finite
+    shift = parts.tilt * (x_on.sum(-1) - k) + torch.where(x_on & ~theta_on, theta, 0.0).sum(-1)
+    shift = shift - torch.where(theta_on & ~x_on, theta, 0.0).sum(-1)
+    tails = torch.where(finite, torch.log1p(torch.exp(-theta.abs())), 0.0).sum(-1)
+    return parts.log_reduced + shift - tails
 
 
 def _leaf_marginals(weights: torch.Tensor, outside: torch.Tensor, with_complements: bool):
