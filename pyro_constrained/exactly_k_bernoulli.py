@@ -88,6 +88,17 @@ class ExactlyKBernoulli(TorchDistribution):
     logit leaves it unchanged. A logit of ``+inf`` (``probs = 1``) forces its variable on,
     ``-inf`` (``probs = 0``) forces it off; the distribution must remain feasible.
 
+    **Numerics.** Every quantity is exact to the working precision for finite logits of any
+    size (masking values such as -1e4 or -1e9 included), in float32 and float64: the
+    kernels tilt the logits until the expected count is k (restarting from order statistics
+    when the logits have wide gaps), so a variable whose tilted logit is saturated in the
+    dtype contributes exactly what conditioning on its value would, and ``log_prob``,
+    ``entropy``, KL and ``log_constraint_prob`` are evaluated as sums of one-signed terms of
+    the tilted logits, in float64, instead of as differences of large numbers (their
+    gradients are the formulas' own). With validation off, an impossible constraint (k out
+    of range, or infinite logits that rule out every k-hot vector) gives ``-inf``
+    log-probabilities and NaN moments; sampling it raises ``ValueError``.
+
     :param logits: log-odds, shape ``batch + (n,)``; entries may be ``+-inf``.
     :param probs: probabilities in [0, 1] instead of logits (exactly one of the two).
     :param k: the number of ones, a Python int or an integer tensor broadcasting with
