@@ -271,15 +271,18 @@ def _entropy(log_p, log1m_p, k, *, k_max: int, half_width: int, width: int, dtyp
     log_weights = t.astype(dtype) * delta.astype(dtype) - g.astype(dtype)
     weights = jnp.where(in_range, jnp.exp(log_weights), 0.0)
     expected_d = jnp.sum(weights * d.astype(dtype), axis=-1) / jnp.sum(weights, axis=-1)
-    expected_log_factorials = (
-        log_c_factorial + (mean - c_float[..., 0]) * log_shift[..., 0] + expected_d
+    # k p - c without cancellation where p is near 1: (k - c) - k (1 - p) there.
+    mean_minus_center = jnp.where(
+        log_p > -math.log(2),
+        (k_float - c_float[..., 0]) - k_float * jnp.exp(log1m_p),
+        mean - c_float[..., 0],
     )
+    correction = mean_minus_center * log_shift[..., 0] + expected_d
     cross_entropy = k_float[..., 0] * jnp.sum(jnp.exp(log_p) * log_p, axis=-1)
-    entropy = (
-        jnp.sum(expected_log_factorials, axis=-1)
-        - _log_factorial_of_total(k_float[..., 0])
-        - cross_entropy
-    )
+    # Grouped so that a near-certain outcome (entropy 1e-28 beside log k! = 8.5, say)
+    # keeps its relative accuracy: the log-factorials cancel exactly there.
+    log_factorials = jnp.sum(log_c_factorial, axis=-1) - _log_factorial_of_total(k_float[..., 0])
+    entropy = log_factorials + (jnp.sum(correction, axis=-1) - cross_entropy)
     # k_max is a static bound given by the user when k is traced: a k above it is
     # detected here, not silently computed with a table too short.
     return jnp.where(k > k_max, jnp.nan, entropy)

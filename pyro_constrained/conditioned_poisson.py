@@ -158,8 +158,9 @@ def _finite_log_zero(dtype: torch.dtype) -> float:
 
 def _expected_log_factorials(
     log_p: torch.Tensor, log1m_p: torch.Tensor, k: torch.Tensor, dtype: torch.dtype
-) -> torch.Tensor:
-    """``E[log z_i!]`` for ``z_i ~ Binomial(k, p_i)``, per coordinate, in float64.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``E[log z_i!]`` for ``z_i ~ Binomial(k, p_i)``, per coordinate, in float64, as the
+    two terms ``log c!`` and ``E[log z!] - log c!`` (defined below).
 
     ``log_p`` and ``log1m_p`` (float64, from `_normalized_log_probs`, ``n >= 2``) have shape
     ``batch + (n,)``, ``k`` (long) ``batch``. Sums over the outcomes in `_binomial_windows`;
@@ -232,8 +233,14 @@ def _expected_log_factorials(
     )
     weights = (log_weights - g).exp()
     expected_d = torch.linalg.vecdot(weights, d) / weights.sum(-1)
-    mean = k_event.to(accumulation) * log_p.exp()
-    return log_c_factorial + (mean - center_float) * log_shift + expected_d.to(accumulation)
+    # k p - c without cancellation where p is near 1: (k - c) - k (1 - p) there.
+    k_float = k_event.to(accumulation)
+    mean_minus_center = torch.where(
+        log_p > -math.log(2),
+        (k_float - center_float) - k_float * log1m_p.exp(),
+        k_float * log_p.exp() - center_float,
+    )
+    return log_c_factorial, mean_minus_center * log_shift + expected_d.to(accumulation)
 
 
 def _sample_counts(
@@ -515,9 +522,12 @@ class ConditionedPoisson(TorchDistribution):
             # A single category: z = k surely. 0 with a zero gradient.
             return (log_p.sum(-1) * self.k).to(dtype)
         k = self.k.double()
-        expected_log_factorials = _expected_log_factorials(log_p, log1m_p, self._k_long, dtype)
+        log_c_factorial, correction = _expected_log_factorials(log_p, log1m_p, self._k_long, dtype)
         cross_entropy = k * (log_p.exp() * log_p).sum(-1)
-        entropy = expected_log_factorials.sum(-1) - torch.lgamma(k + 1) - cross_entropy
+        # Grouped so that a near-certain outcome (entropy 1e-28 beside log k! = 8.5, say)
+        # keeps its relative accuracy: the log-factorials cancel exactly there.
+        log_factorials = log_c_factorial.sum(-1) - torch.lgamma(k + 1)
+        entropy = log_factorials + (correction.sum(-1) - cross_entropy)
         return entropy.to(dtype)
 
 
