@@ -232,8 +232,10 @@ def _entropy(log_p, log1m_p, k, *, k_max: int, half_width: int, width: int, dtyp
         delta = log(p / (1-p)) - log((c + 1/2) / (k - c + 1/2)),
 
     ``delta`` is O(1 / variance) and ``G`` about ``t^2 / (2 variance)``; and
-    ``E[log z!] = log c! + (k p - c) log(c + 1/2) + E[D]`` with
-    ``D[t] = log j! - log c! - t log(c + 1/2)``, also about ``t^2 / (2c)``. The window sums
+    ``E[log z!] = log c! + (k p - c) log(c + 1) + E[D]`` with
+    ``D[t] = log j! - log c! - t log(c + 1)``, about ``t^2 / (2c)`` and exactly 0 at the two
+    outcomes ``c``, ``c + 1`` that can be the mode, so that a near-certain count (entropy
+    1e-28, say) leaves nothing to cancel. The window sums
     run in ``dtype`` on those small quantities; normalising the weights over the window
     makes ``log Binomial(c; k, p)`` unnecessary.
     """
@@ -258,8 +260,8 @@ def _entropy(log_p, log1m_p, k, *, k_max: int, half_width: int, width: int, dtyp
 
     log_c_factorial = log_factorial(center)
     log_j_over_c = log_factorial(j) - log_c_factorial[..., None]
-    log_shift = jnp.log(c_float + 0.5)
-    odds_shift = log_shift - jnp.log(k_float[..., None] - c_float + 0.5)
+    log_shift = jnp.log1p(c_float)
+    odds_shift = jnp.log(c_float + 0.5) - jnp.log(k_float[..., None] - c_float + 0.5)
     g = (
         log_j_over_c
         + log_factorial(k_event[..., None] - j)

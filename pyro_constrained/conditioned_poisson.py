@@ -176,8 +176,10 @@ def _expected_log_factorials(
         delta = log(p / (1-p)) - log((c + 1/2) / (k - c + 1/2)),
 
     ``delta`` is O(1 / variance) and ``G`` about ``t^2 / (2 variance)``; and
-    ``E[log z!] = log c! + (k p - c) log(c + 1/2) + E[D]`` with
-    ``D[t] = log j! - log c! - t log(c + 1/2)``, also about ``t^2 / (2c)``. ``G`` and ``D``
+    ``E[log z!] = log c! + (k p - c) log(c + 1) + E[D]`` with
+    ``D[t] = log j! - log c! - t log(c + 1)``, about ``t^2 / (2c)`` and exactly 0 at the two
+    outcomes ``c``, ``c + 1`` that can be the mode, so that a near-certain count (entropy
+    1e-28, say) leaves nothing to cancel. ``G`` and ``D``
     depend only on ``(k, c)``: few distinct pairs occur, so they are tabulated once per pair
     (in float64, then rounded to ``dtype``) and gathered as rows. Normalising the weights
     over the window makes ``log Binomial(c; k, p)`` unnecessary.
@@ -211,8 +213,8 @@ def _expected_log_factorials(
         t = j - c_rows
         log_c_factorial = torch.lgamma(c_rows + 1)
         log_j_over_c = torch.lgamma(j + 1) - log_c_factorial
-        log_shift = torch.log(c_rows + 0.5)
-        odds_shift = log_shift - torch.log(k_rows - c_rows + 0.5)
+        log_shift = torch.log1p(c_rows)
+        odds_shift = torch.log(c_rows + 0.5) - torch.log(k_rows - c_rows + 0.5)
         g_rows = log_j_over_c + (torch.lgamma(k_rows - j + 1) - torch.lgamma(k_rows - c_rows + 1))
         # Outcomes beyond k get G = inf, hence weight 0.
         g_rows = torch.where(in_range, g_rows - t * odds_shift, math.inf).to(dtype)
