@@ -182,8 +182,9 @@ def test_entropy_matches_the_sum_over_every_binomial_outcome_torch(rate, k):
 
 # Each new (k, rates) compiles the JAX entropy anew (about 0.5 s): fewer examples here; the
 # torch test above covers the strategy fully and the agreement test ties the two together.
+# Large totals only: small ones are covered by enumeration below.
 @settings(max_examples=4)
-@given(rate=rate_vectors(max_n=6), k=totals(6.0))
+@given(rate=rate_vectors(max_n=6), k=st.floats(2.0, 6.0).map(lambda u: int(round(10.0**u))))
 def test_entropy_matches_the_sum_over_every_binomial_outcome_jax(rate, k):
     for dtype_name in DTYPE_NAMES:
         held = _rounded(rate, dtype_name)
