@@ -162,6 +162,27 @@ def _normalized_log_probs(rate):
     return log_p, log1m_p
 
 
+def _log_probs_only(rate):
+    """``log p`` for ``p = rate / sum(rate)`` in `_accumulation_dtype`, as
+    `_normalized_log_probs` gives it but in one logarithm pass (what ``log_prob``, ``mean``
+    and KL need).
+
+    ``log p = log rate - log max - log(1 + S)`` with ``S`` the sum of the other rates over
+    the largest, summed directly (ratios below the dtype's smallest number, which vanish
+    from it, change ``log(1 + S)`` by less than the dtype resolves).
+    """
+    rate = rate.astype(_accumulation_dtype())
+    # One largest rate, by index: ties stay in S, so every rate keeps its gradient.
+    argmax = jnp.argmax(lax.stop_gradient(rate), axis=-1, keepdims=True)
+    is_top = jnp.arange(rate.shape[-1]) == argmax
+    largest = jnp.take_along_axis(rate, argmax, axis=-1)
+    rest = jnp.sum(jnp.where(is_top, 0.0, rate / largest), axis=-1, keepdims=True)
+    # log(rate / largest) exactly 0 for the largest (whose log p is then -log(1 + S)), even
+    # where the vectorised log of rate and the log of largest round differently.
+    log_ratio = jnp.where(is_top, 0.0, jnp.log(rate) - jnp.log(largest))
+    return log_ratio - jnp.log1p(rest)
+
+
 def _log_p_and_log1m_p(rate):
     """``p``, ``log p`` and ``log(1 - p)`` (`_normalized_log_probs`) in ``rate``'s dtype.
 
@@ -305,7 +326,7 @@ def _log_prob_and_support(rate, k, value, *, dtype):
     # support at 0 instead (those entries get -inf below). where, not maximum:
     # maximum(z, 0) halves the gradient at z = 0.
     value = jnp.where(in_support[..., None], value, 0)
-    log_p, _ = _normalized_log_probs(rate)
+    log_p = _log_probs_only(rate)
     accumulation = log_p.dtype
     counts = value.astype(accumulation)
     k = k.astype(accumulation)
@@ -493,10 +514,14 @@ class ConditionedPoisson(Distribution):
         """``log p`` and ``log(1 - p)`` in the accumulation dtype (`_normalized_log_probs`)."""
         return _normalized_log_probs(self.rate)
 
+    def _log_p(self):
+        """``log p`` in the accumulation dtype (`_log_probs_only`)."""
+        return _log_probs_only(self.rate)
+
     @property
     def probs(self):
         """``p = rate / sum(rate)``, the multinomial probabilities."""
-        return jnp.exp(self._log_probs()[0]).astype(self.rate.dtype)
+        return jnp.exp(self._log_p()).astype(self.rate.dtype)
 
     @property
     def _k_float(self):
@@ -504,7 +529,7 @@ class ConditionedPoisson(Distribution):
 
     @property
     def mean(self):
-        log_p, _ = self._log_probs()
+        log_p = self._log_p()
         k = self.k.astype(log_p.dtype)[..., None]
         return (k * jnp.exp(log_p)).astype(self.rate.dtype)
 
@@ -567,7 +592,7 @@ class ConditionedPoisson(Distribution):
         absent, where ``k = 0``). NaN where a traced ``k`` exceeds ``k_max``."""
         sample_shape = tuple(sample_shape)
         dtype = self.rate.dtype
-        log_p = lax.stop_gradient(self._log_probs()[0])
+        log_p = lax.stop_gradient(self._log_p())
         k = lax.stop_gradient(self.k)
         n = log_p.shape[-1]
         if self.k_max == 0:
@@ -662,7 +687,7 @@ def _kl_conditioned_poisson(p: ConditionedPoisson, q: ConditionedPoisson):
     if not_jax_tracer(p.k) and not_jax_tracer(q.k):
         if not np.array_equal(*np.broadcast_arrays(np.asarray(p.k), np.asarray(q.k))):
             raise ValueError("KL between ConditionedPoisson needs the same k")
-    log_p, _ = p._log_probs()
-    log_q, _ = q._log_probs()
+    log_p = p._log_p()
+    log_q = q._log_p()
     kl = p.k.astype(log_p.dtype) * jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
     return kl.astype(jnp.result_type(p.rate.dtype, q.rate.dtype))

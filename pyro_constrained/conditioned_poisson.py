@@ -17,7 +17,10 @@ from torch.distributions import constraints
 from torch.distributions.kl import register_kl
 
 from constrained_ppl_common.binomial_tails import bennett_deviation, entropy_log_inverse_tail
-from constrained_ppl_common.exact_integers import check_total_in_exact_range
+from constrained_ppl_common.exact_integers import (
+    check_total_in_exact_range,
+    largest_exact_integer,
+)
 
 __all__ = ["ConditionedPoisson", "integer_composition", "positive_finite"]
 
@@ -76,10 +79,18 @@ def _is_integer_composition(
     """
     total = torch.as_tensor(total, device=value.device)
     is_nonnegative = value >= 0
-    entry_ok = is_nonnegative & (value <= total.unsqueeze(-1))
+    entry_ok = is_nonnegative
     if value.is_floating_point():
         # frac is NaN for +-inf and NaN, which then fail the test.
-        entry_ok &= torch.frac(value) == 0
+        entry_ok = entry_ok & (torch.frac(value) == 0)
+        largest_total = int(total.max()) if total.numel() else 0
+        if largest_total < largest_exact_integer(str(value.dtype)):
+            # Non-negative integers with a true sum up to 2**m are summed exactly in any
+            # order; a larger true sum rounds to at least 2**m > total. So the float sum
+            # tells exactly whether the sum is total.
+            in_support = entry_ok.all(-1) & (value.sum(-1) == total)
+            return in_support, is_nonnegative.all(-1)
+    entry_ok = entry_ok & (value <= total.unsqueeze(-1))
     # Entries in [0, total], total <= 2**53: the cast is exact and the int64 sum cannot
     # overflow below 1024 entries; beyond, a sum that wrapped is far above total as a float.
     counts = torch.where(entry_ok, value, 0)
@@ -113,6 +124,32 @@ def _normalized_log_probs(rate: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     log1m_p_others = torch.log1p(-log_p.masked_fill(is_max, -1.0).exp())
     log1m_p = torch.where(is_max, log_rest - log1p_rest, log1m_p_others)
     return log_p, log1m_p
+
+
+def _log_probs_only(rate: torch.Tensor) -> torch.Tensor:
+    """``log p`` for ``p = rate / sum(rate)`` in float64, as `_normalized_log_probs` gives it
+    but in one logarithm pass (what ``log_prob``, ``mean`` and KL need).
+
+    ``log p = log rate - log max - log(1 + S)`` with ``S`` the sum of the other rates over
+    the largest, summed directly (ratios below 1e-308 of the largest, which vanish from
+    it, change ``log(1 + S)`` by less than float64 resolves).
+    """
+    rate = rate.to(torch.float64)
+    largest = rate.amax(-1, keepdim=True)
+    ratio = rate / largest
+    total = ratio.sum(-1, keepdim=True)
+    if bool((total >= 1.5).all()):
+        # No rate dominates: log(1 + S) directly loses nothing.
+        return (rate.log() - largest.log()) - total.log()
+    # 1 + S rounds S away when S is tiny: sum S without the 1. One largest rate, by index:
+    # ties stay in S, so every rate keeps its gradient.
+    largest, argmax = rate.max(-1, keepdim=True)
+    is_top = torch.zeros_like(rate, dtype=torch.bool).scatter_(-1, argmax, True)
+    rest = torch.where(is_top, 0.0, rate / largest).sum(-1, keepdim=True)
+    # log(rate / largest) exactly 0 for the largest (whose log p is then -log(1 + S)), even
+    # where the vectorised log of rate and the log of largest round differently.
+    log_ratio = torch.where(is_top, 0.0, rate.log() - largest.log())
+    return log_ratio - torch.log1p(rest)
 
 
 def _log_p_and_log1m_p(rate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -245,51 +282,52 @@ def _expected_log_factorials(
     return log_c_factorial, mean_minus_center * log_shift + expected_d.to(accumulation)
 
 
-def _sample_counts(
-    log_p: torch.Tensor, k: torch.Tensor, sample_shape: torch.Size, dtype: torch.dtype
-) -> torch.Tensor:
-    """Exact ``Multinomial(k, exp(log_p))`` counts of shape ``sample_shape + log_p.shape``
-    (``k`` is a long tensor of shape ``log_p.shape[:-1]``), in ``dtype``."""
-    batch_shape, n = log_p.shape[:-1], log_p.shape[-1]
+def _sample_counts(rate: torch.Tensor, k: torch.Tensor, sample_shape: torch.Size) -> torch.Tensor:
+    """Exact ``Multinomial(k, rate / sum(rate))`` counts of shape ``sample_shape + rate.shape``
+    (``k`` is a long tensor of shape ``rate.shape[:-1]``), in ``rate``'s dtype."""
+    batch_shape, n = rate.shape[:-1], rate.shape[-1]
     num_samples = sample_shape.numel()
-    log_p_rows = log_p.reshape(-1, n)
+    rate_rows = rate.reshape(-1, n)
     k_rows = k.reshape(-1)
-    rows = log_p_rows.shape[0]
+    rows = rate_rows.shape[0]
     k_max = int(k_rows.max()) if rows else 0
     if rows == 0 or num_samples == 0 or k_max == 0:
-        return torch.zeros(sample_shape + log_p.shape, dtype=dtype, device=log_p.device)
+        return rate.new_zeros(sample_shape + rate.shape)
     if k_max < SEQUENTIAL_BINOMIAL_MIN_K_PER_CATEGORY * n:
         # One multinomial call draws k_max categories for every (row, sample); the draws past
-        # a row's own k are masked out, which keeps them exact for per-row k. Normalised
-        # probabilities, not rates: a sum of float32 rates near 1e38 would overflow.
-        draws = torch.multinomial(log_p_rows.exp().to(dtype), num_samples * k_max, True)
+        # a row's own k are masked out, which keeps them exact for per-row k. The rates over
+        # the largest, not the rates: their sum could overflow (float32 rates near 1e38).
+        weights = rate_rows / rate_rows.amax(-1, keepdim=True)
+        draws = torch.multinomial(weights, num_samples * k_max, replacement=True)
         draws = draws.view(rows, num_samples, k_max)
         if bool((k_rows == k_max).all()):
-            weights = torch.ones((), dtype=dtype, device=log_p.device).expand_as(draws)
+            weights = rate.new_ones(()).expand_as(draws)
         else:
-            keep = torch.arange(k_max, device=log_p.device) < k_rows.view(rows, 1, 1)
-            weights = keep.to(dtype).expand_as(draws)
-        counts = torch.zeros(rows, num_samples, n, dtype=dtype, device=log_p.device)
+            keep = torch.arange(k_max, device=rate.device) < k_rows.view(rows, 1, 1)
+            weights = keep.to(rate.dtype).expand_as(draws)
+        counts = rate.new_zeros(rows, num_samples, n)
         counts.scatter_add_(-1, draws, weights)
     else:
-        counts = _sample_counts_sequentially(log_p_rows, k_rows, num_samples, dtype)
+        counts = _sample_counts_sequentially(_log_probs_only(rate_rows), k_rows, num_samples)
+        counts = counts.to(rate.dtype)
     counts = counts.view(batch_shape + (num_samples, n)).movedim(-2, 0)
-    return counts.reshape(sample_shape + log_p.shape)
+    return counts.reshape(sample_shape + rate.shape)
 
 
 def _sample_counts_sequentially(
-    log_p_rows: torch.Tensor, k_rows: torch.Tensor, num_samples: int, dtype: torch.dtype
+    log_p_rows: torch.Tensor, k_rows: torch.Tensor, num_samples: int
 ) -> torch.Tensor:
     """``z_i ~ Binomial(k - z_1 - ... - z_{i-1}, p_i / sum_{j >= i} p_j)``, the last
-    coordinate taking the remainder: O(n) binomial draws per event, whatever k is."""
+    coordinate taking the remainder: O(n) binomial draws per event, whatever k is. In
+    ``log_p_rows``' dtype (float64: exact counts up to 2**53)."""
     rows, n = log_p_rows.shape
     # Tail sums in log space, not 1 - cumsum(p): no cancellation for the last categories
     # and no underflow of tiny ones.
     log_tail = log_p_rows.flip(-1).logcumsumexp(-1).flip(-1)
-    conditional_p = (log_p_rows - log_tail).exp().clamp(0.0, 1.0).to(dtype)
+    conditional_p = (log_p_rows - log_tail).exp().clamp(0.0, 1.0)
     conditional_p = conditional_p.expand(num_samples, rows, n)
-    remaining = k_rows.to(dtype).expand(num_samples, rows).clone()
-    counts = torch.zeros(num_samples, rows, n, dtype=dtype, device=log_p_rows.device)
+    remaining = k_rows.to(log_p_rows.dtype).expand(num_samples, rows).clone()
+    counts = log_p_rows.new_zeros(num_samples, rows, n)
     for i in range(n - 1):
         z_i = torch.binomial(remaining, conditional_p[..., i].contiguous())
         counts[..., i] = z_i
@@ -306,8 +344,8 @@ class _LogFactorialOfCounts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, counts: torch.Tensor, log_factorials: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(counts)
-        index = counts.clamp(0, log_factorials.shape[0] - 1).long()
-        return log_factorials[index]
+        # The caller guarantees 0 <= z <= len(table) - 1 (off-support rows are zeroed).
+        return log_factorials[counts.long()]
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -317,8 +355,8 @@ class _LogFactorialOfCounts(torch.autograd.Function):
 
 
 def _log_factorial_of_counts(counts: torch.Tensor, k_max: int) -> torch.Tensor:
-    """``log z!`` for counts ``z`` in ``0..k_max`` (anything else is only ever used where the
-    result is replaced by ``-inf``): a table lookup when the table is smaller than the
+    """``log z!`` for integer counts ``z`` in ``0..k_max`` (``log_prob`` zeroes the rows off
+    the support before calling this): a table lookup when the table is smaller than the
     input, else ``lgamma``; differentiable in ``z`` either way."""
     if k_max + 1 >= counts.numel():
         return torch.lgamma(counts + 1)
@@ -413,10 +451,14 @@ class ConditionedPoisson(TorchDistribution):
         """``log p`` and ``log(1 - p)`` in float64 (`_normalized_log_probs`)."""
         return _normalized_log_probs(self.rate)
 
+    def _log_p(self) -> torch.Tensor:
+        """``log p`` in float64 (`_log_probs_only`)."""
+        return _log_probs_only(self.rate)
+
     @property
     def probs(self) -> torch.Tensor:
         """``p = rate / sum(rate)``, the multinomial probabilities."""
-        return self._log_probs()[0].exp().to(self.rate.dtype)
+        return self._log_p().exp().to(self.rate.dtype)
 
     @property
     def _k_max(self) -> int:
@@ -428,7 +470,7 @@ class ConditionedPoisson(TorchDistribution):
 
     @property
     def mean(self) -> torch.Tensor:
-        log_p, _ = self._log_probs()
+        log_p = self._log_p()
         return (self.k.double().unsqueeze(-1) * log_p.exp()).to(self.rate.dtype)
 
     @property
@@ -483,7 +525,7 @@ class ConditionedPoisson(TorchDistribution):
             # gradient of the others exact, unlike clamping, which halves it at 0).
             value = torch.where(in_support.unsqueeze(-1), value, 0)
         counts = value.to(torch.float64)
-        log_p, _ = self._log_probs()
+        log_p = self._log_p()
         k = self.k.double()
         log_prob = (
             torch.lgamma(k + 1)
@@ -496,8 +538,7 @@ class ConditionedPoisson(TorchDistribution):
 
     def sample(self, sample_shape=_EMPTY_SIZE) -> torch.Tensor:
         with torch.no_grad():
-            log_p, _ = self._log_probs()
-            return _sample_counts(log_p, self._k_long, torch.Size(sample_shape), self.rate.dtype)
+            return _sample_counts(self.rate, self._k_long, torch.Size(sample_shape))
 
     def rsample(self, sample_shape=_EMPTY_SIZE) -> torch.Tensor:
         """An exact sample ``z`` returned as ``z + (m - m.detach())`` with ``m = k p``: the
@@ -571,7 +612,7 @@ def _kl_conditioned_poisson(p: ConditionedPoisson, q: ConditionedPoisson) -> tor
         )
     if not torch.equal(*torch.broadcast_tensors(p.k.double(), q.k.double())):
         raise ValueError("KL between ConditionedPoisson needs the same k")
-    log_p, _ = p._log_probs()
-    log_q, _ = q._log_probs()
+    log_p = p._log_p()
+    log_q = q._log_p()
     kl = p.k.double() * (log_p.exp() * (log_p - log_q)).sum(-1)
     return kl.to(torch.promote_types(p.rate.dtype, q.rate.dtype))
