@@ -51,11 +51,17 @@ LOG10_RATE = st.floats(-30.0, 30.0, allow_nan=False)
 
 @st.composite
 def rate_vectors(draw, min_n: int = 1, max_n: int = 8, sizes=None) -> np.ndarray:
-    """Positive rates over 60 decades: spread log-uniformly, clustered, or huge beside tiny.
+    """Positive rates over 60 decades: spread log-uniformly, clustered, huge beside tiny, or
+    tied.
     ``sizes``: the n to draw from instead of ``min_n..max_n`` (JAX compiles once per n)."""
     n = draw(st.sampled_from(sizes) if sizes else st.integers(min_n, max_n))
-    kind = draw(st.sampled_from(["spread", "cluster", "huge-beside-tiny"]))
-    if kind == "spread":
+    kind = draw(st.sampled_from(["spread", "cluster", "huge-beside-tiny", "ties"]))
+    if kind == "ties":
+        # Equal rates, the largest among them: argmax-based normalisations must keep every
+        # rate's gradient.
+        levels = draw(st.lists(LOG10_RATE, min_size=1, max_size=2))
+        log10 = [levels[i % len(levels)] for i in range(n)]
+    elif kind == "spread":
         log10 = draw(st.lists(LOG10_RATE, min_size=n, max_size=n))
     elif kind == "cluster":
         center = draw(LOG10_RATE)
@@ -133,6 +139,42 @@ def test_log_prob_matches_mpmath_in_both_packages_and_dtypes(rate, k, seed):
             actual = _jax(rate, k, dtype_name, validate_args=validate_args).log_prob(jax_value)
             assert actual.dtype == JAX_DTYPES[dtype_name]
             _assert_close(actual, expected, dtype_name, scale, "jax log_prob")
+
+
+@given(
+    rate=rate_vectors(sizes=(1, 2, 3, 8)),
+    k=totals(4.0),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_gradients_in_rate_of_log_prob_and_mean_are_exact(rate, k, seed):
+    # d log_prob / d rate_j = z_j / rate_j - k / sum(rate); the straight-through gradient of
+    # a sample is that of the mean, d (w . k p) / d rate_j = k (w_j - w . p) / sum(rate).
+    value = _draw_value(rate, k, seed)
+    weights = np.random.default_rng(seed).normal(size=len(rate))
+    total = rate.sum()
+    p = rate / total
+    expected_log_prob = value / rate - k / total
+    expected_mean = k * (weights - weights @ p) / total
+    log_prob_scale = value / rate + k / total
+    mean_scale = k * (np.abs(weights) + np.abs(weights) @ p) / total
+
+    rate_t = torch.tensor(rate, requires_grad=True)
+    d = pyro_constrained.ConditionedPoisson(rate_t, k=k)
+    (grad,) = torch.autograd.grad(d.log_prob(torch.tensor(value)), rate_t)
+    _assert_close(grad, expected_log_prob, "float64", log_prob_scale, "torch d log_prob")
+    (grad,) = torch.autograd.grad(d.mean @ torch.tensor(weights), rate_t)
+    _assert_close(grad, expected_mean, "float64", mean_scale, "torch d mean")
+
+    def log_prob(r):
+        return numpyro_constrained.ConditionedPoisson(r, k=k).log_prob(jnp.asarray(value))
+
+    def weighted_mean(r):
+        return numpyro_constrained.ConditionedPoisson(r, k=k).mean @ jnp.asarray(weights)
+
+    grad = jax.grad(log_prob)(jnp.asarray(rate))
+    _assert_close(grad, expected_log_prob, "float64", log_prob_scale, "jax d log_prob")
+    grad = jax.grad(weighted_mean)(jnp.asarray(rate))
+    _assert_close(grad, expected_mean, "float64", mean_scale, "jax d mean")
 
 
 # Compositions are padded to this many rows so that JAX compiles log_prob once per n.
