@@ -29,6 +29,7 @@ from constrained_ppl_common.binomial_tails import bennett_deviation, entropy_log
 from constrained_ppl_common.exact_integers import (
     check_k_max_bounds_k,
     check_total_in_exact_range,
+    largest_exact_integer,
 )
 
 __all__ = ["ConditionedPoisson", "integer_composition", "positive_finite"]
@@ -58,23 +59,34 @@ class _PositiveFinite(constraints.Constraint):
 positive_finite = _PositiveFinite()
 
 
-def _is_integer_composition(value, total):
+def _is_integer_composition(value, total, *, total_below_2_to_the_m: bool = False):
     """Whether each vector (last axis) of ``value`` is in the support, and whether all its
     entries are ``>= 0``.
 
-    Exact for any dtype of ``value``: the entries are checked to be integers in
-    ``[0, total]`` and summed as integers, so a float sum that rounds (``2**24 - 1 + 1 + 1``
-    is ``2**24`` in float32) cannot pass for ``total``.
+    Exact for any dtype of ``value``: a float sum that rounds (``2**24 - 1 + 1 + 1`` is
+    ``2**24`` in float32) cannot pass for ``total``. Floats are summed as they are where the
+    caller knows ``total < 2**m`` (``m`` their significand bits), else, like integers,
+    checked to lie in ``[0, total]`` and summed as integers.
     """
     is_jax = isinstance(value, jax.Array) or isinstance(total, jax.Array)
     xp = jnp if is_jax else np
     value = xp.asarray(value)
     total = xp.asarray(total)
     is_nonnegative = value >= 0
-    entry_ok = is_nonnegative & (value <= total[..., None])
+    entry_ok = is_nonnegative
     if xp.issubdtype(value.dtype, xp.floating):
         # floor(inf) == inf, so finiteness is checked separately; NaN fails every comparison.
         entry_ok = entry_ok & (value == xp.floor(value)) & xp.isfinite(value)
+        if total_below_2_to_the_m:
+            # Non-negative integers with a true sum up to 2**m are summed exactly in any
+            # order; a larger true sum rounds to at least 2**m > total. (A traced total at
+            # or above 2**m, beyond the static k_max the caller relied on, fails.)
+            limit = largest_exact_integer(str(value.dtype))
+            in_support = (
+                xp.all(entry_ok, axis=-1) & (xp.sum(value, axis=-1) == total) & (total < limit)
+            )
+            return in_support, xp.all(is_nonnegative, axis=-1)
+    entry_ok = entry_ok & (value <= total[..., None])
     counts = xp.where(entry_ok, value, 0)
     integer = jnp.result_type(int) if is_jax else np.int64
     # Entries in [0, total]: the cast is exact; a sum that wrapped around the integer range
@@ -183,6 +195,14 @@ def _log_probs_only(rate):
     return log_ratio - jnp.log1p(rest)
 
 
+def _probs_only(rate):
+    """``p = rate / sum(rate)`` in `_accumulation_dtype`, as ``(rate / max) / sum(rate /
+    max)``: no sum overflows, and no logarithm is needed (``mean``, ``probs``)."""
+    rate = rate.astype(_accumulation_dtype())
+    ratio = rate / jnp.max(rate, axis=-1, keepdims=True)
+    return ratio / jnp.sum(ratio, axis=-1, keepdims=True)
+
+
 def _log_p_and_log1m_p(rate):
     """``p``, ``log p`` and ``log(1 - p)`` (`_normalized_log_probs`) in ``rate``'s dtype.
 
@@ -280,16 +300,16 @@ def _entropy(log_p, log1m_p, k, *, k_max: int, half_width: int, width: int, dtyp
         return _log_factorial(m, k_max, accumulation)
 
     log_c_factorial = log_factorial(center)
-    log_j_over_c = log_factorial(j) - log_c_factorial[..., None]
     log_shift = jnp.log1p(c_float)
     odds_shift = jnp.log(c_float + 0.5) - jnp.log(k_float[..., None] - c_float + 0.5)
+    d = log_factorial(j) - log_c_factorial[..., None] - t * log_shift
+    # G written from D (the same numbers): XLA fuses this form into the two sums below; G and
+    # D each written from log j! ran twice as long.
     g = (
-        log_j_over_c
-        + log_factorial(k_event[..., None] - j)
-        - log_factorial(k_event - center)[..., None]
-        - t * odds_shift
+        d
+        + (log_factorial(k_event[..., None] - j) - log_factorial(k_event - center)[..., None])
+        - t * (odds_shift - log_shift)
     )
-    d = log_j_over_c - t * log_shift
     delta = (log_p - log1m_p)[..., None] - odds_shift
     log_weights = t.astype(dtype) * delta.astype(dtype) - g.astype(dtype)
     weights = jnp.where(in_range, jnp.exp(log_weights), 0.0)
@@ -317,11 +337,11 @@ def _log_factorial_of_total(k):
     return jnp.where(k <= 1, 0.0, gammaln(k + 1))
 
 
-@partial(jax.jit, static_argnames=("dtype",))
-def _log_prob_and_support(rate, k, value, *, dtype):
+@partial(jax.jit, static_argnames=("dtype", "total_below_2_to_the_m"))
+def _log_prob_and_support(rate, k, value, *, dtype, total_below_2_to_the_m: bool):
     """``log_prob`` (``-inf`` off the support) in ``dtype``, accumulated in
     `_accumulation_dtype`, and the support indicator, one compiled call."""
-    in_support, _ = _is_integer_composition(value, k)
+    in_support, _ = _is_integer_composition(value, k, total_below_2_to_the_m=total_below_2_to_the_m)
     # gammaln(z + 1) at a negative integer is inf and its derivative NaN: evaluate off the
     # support at 0 instead (those entries get -inf below). where, not maximum:
     # maximum(z, 0) halves the gradient at z = 0.
@@ -337,15 +357,17 @@ def _log_prob_and_support(rate, k, value, *, dtype):
 
 
 @partial(jax.jit, static_argnames=("k_max", "sample_shape", "dtype"))
-def _sample_counts_categorical(key, log_p, k, *, k_max: int, sample_shape: tuple[int, ...], dtype):
+def _sample_counts_categorical(key, rate, k, *, k_max: int, sample_shape: tuple[int, ...], dtype):
     """Exact counts from ``k_max`` categorical draws per event, those past each event's own
     ``k`` masked out: inverse-CDF search (O(k log n)), not Gumbel-max (O(k n)). NaN where
     ``k > k_max`` (a traced ``k`` above the static bound)."""
-    batch_shape, n = log_p.shape[:-1], log_p.shape[-1]
+    batch_shape, n = rate.shape[:-1], rate.shape[-1]
     rows = math.prod(batch_shape)
     num_samples = math.prod(sample_shape)
-    # Normalised probabilities, not rates: a sum of float32 rates near 1e38 would overflow.
-    cumulative = jnp.cumsum(jnp.exp(log_p).astype(dtype).reshape(rows, n), axis=-1)
+    # The rates over the largest, not the rates: their sum could overflow (float32 rates
+    # near 1e38).
+    weights = (rate / jnp.max(rate, axis=-1, keepdims=True)).astype(dtype)
+    cumulative = jnp.cumsum(weights.reshape(rows, n), axis=-1)
     uniforms = jax.random.uniform(key, (rows, num_samples * k_max), dtype=dtype)
     # Scaling by the last cumulative sum (not 1) makes the search match the rounded cumsum.
     targets = uniforms * cumulative[:, -1:]
@@ -521,7 +543,7 @@ class ConditionedPoisson(Distribution):
     @property
     def probs(self):
         """``p = rate / sum(rate)``, the multinomial probabilities."""
-        return jnp.exp(self._log_p()).astype(self.rate.dtype)
+        return _probs_only(self.rate).astype(self.rate.dtype)
 
     @property
     def _k_float(self):
@@ -529,9 +551,8 @@ class ConditionedPoisson(Distribution):
 
     @property
     def mean(self):
-        log_p = self._log_p()
-        k = self.k.astype(log_p.dtype)[..., None]
-        return (k * jnp.exp(log_p)).astype(self.rate.dtype)
+        p = _probs_only(self.rate)
+        return (self.k.astype(p.dtype)[..., None] * p).astype(self.rate.dtype)
 
     @property
     def variance(self):
@@ -576,7 +597,14 @@ class ConditionedPoisson(Distribution):
                 f"value of shape {value.shape} does not end in the event shape "
                 f"{self.event_shape} of ConditionedPoisson"
             )
-        log_prob, in_support = _log_prob_and_support(self.rate, self.k, value, dtype=dtype)
+        total_below_2_to_the_m = (
+            self.k_max is not None
+            and jnp.issubdtype(value.dtype, jnp.floating)
+            and self.k_max < largest_exact_integer(str(value.dtype))
+        )
+        log_prob, in_support = _log_prob_and_support(
+            self.rate, self.k, value, dtype=dtype, total_below_2_to_the_m=total_below_2_to_the_m
+        )
         if self._validate_args and not_jax_tracer(in_support) and not bool(jnp.all(in_support)):
             warnings.warn(
                 "Out-of-support values provided to log prob method. "
@@ -592,20 +620,21 @@ class ConditionedPoisson(Distribution):
         absent, where ``k = 0``). NaN where a traced ``k`` exceeds ``k_max``."""
         sample_shape = tuple(sample_shape)
         dtype = self.rate.dtype
-        log_p = lax.stop_gradient(self._log_p())
+        rate = lax.stop_gradient(self.rate)
         k = lax.stop_gradient(self.k)
-        n = log_p.shape[-1]
+        n = rate.shape[-1]
         if self.k_max == 0:
-            z = jnp.where(k[..., None] > 0, jnp.nan, jnp.zeros(sample_shape + log_p.shape, dtype))
+            z = jnp.where(k[..., None] > 0, jnp.nan, jnp.zeros(sample_shape + rate.shape, dtype))
         elif (
             self.k_max is not None
             and self.k_max < SEQUENTIAL_BINOMIAL_MIN_K_PER_CATEGORY * n
             and math.prod(sample_shape + self.batch_shape) > 0
         ):
             z = _sample_counts_categorical(
-                key, log_p, k, k_max=self.k_max, sample_shape=sample_shape, dtype=dtype
+                key, rate, k, k_max=self.k_max, sample_shape=sample_shape, dtype=dtype
             )
         else:
+            log_p = _log_probs_only(rate)
             z = _sample_counts_sequentially(key, log_p, k, sample_shape=sample_shape, dtype=dtype)
             if self.k_max is not None:
                 z = jnp.where(k[..., None] > self.k_max, jnp.nan, z)

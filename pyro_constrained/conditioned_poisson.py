@@ -73,9 +73,10 @@ def _is_integer_composition(
     """Whether each vector (last dimension) of ``value`` is in the support, and whether all
     its entries are ``>= 0``.
 
-    Exact for any dtype of ``value``: the entries are checked to be integers in
-    ``[0, total]`` and summed as int64, so a float sum that rounds (``2**24 - 1 + 1 + 1``
-    is ``2**24`` in float32) cannot pass for ``total``.
+    Exact for any dtype of ``value``: a float sum that rounds (``2**24 - 1 + 1 + 1`` is
+    ``2**24`` in float32) cannot pass for ``total``. Floats are summed as they are where
+    ``total`` is below ``2**m`` (``m`` their significand bits), else, like integers,
+    checked to lie in ``[0, total]`` and summed as int64.
     """
     total = torch.as_tensor(total, device=value.device)
     is_nonnegative = value >= 0
@@ -216,10 +217,10 @@ def _expected_log_factorials(
     ``E[log z!] = log c! + (k p - c) log(c + 1) + E[D]`` with
     ``D[t] = log j! - log c! - t log(c + 1)``, about ``t^2 / (2c)`` and exactly 0 at the two
     outcomes ``c``, ``c + 1`` that can be the mode, so that a near-certain count (entropy
-    1e-28, say) leaves nothing to cancel. ``G`` and ``D``
-    depend only on ``(k, c)``: few distinct pairs occur, so they are tabulated once per pair
-    (in float64, then rounded to ``dtype``) and gathered as rows. Normalising the weights
-    over the window makes ``log Binomial(c; k, p)`` unnecessary.
+    1e-28, say) leaves nothing to cancel. ``G`` and ``D`` depend only on ``(k, c)``: few
+    distinct pairs occur, so they are tabulated once per pair (in float64, then rounded to
+    ``dtype``) and gathered as rows. Normalising the weights over the window makes
+    ``log Binomial(c; k, p)`` unnecessary.
     """
     shape = log_p.shape
     n = shape[-1]
