@@ -153,6 +153,14 @@ def _log_probs_only(rate: torch.Tensor) -> torch.Tensor:
     return log_ratio - torch.log1p(rest)
 
 
+def _probs_only(rate: torch.Tensor) -> torch.Tensor:
+    """``p = rate / sum(rate)`` in float64, as ``(rate / max) / sum(rate / max)``: no sum
+    overflows, and no logarithm is needed (``mean``, ``probs``)."""
+    ratio = rate.to(torch.float64)
+    ratio = ratio / ratio.amax(-1, keepdim=True)
+    return ratio / ratio.sum(-1, keepdim=True)
+
+
 def _log_p_and_log1m_p(rate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``p``, ``log p`` and ``log(1 - p)`` (`_normalized_log_probs`) in ``rate``'s dtype.
 
@@ -459,7 +467,7 @@ class ConditionedPoisson(TorchDistribution):
     @property
     def probs(self) -> torch.Tensor:
         """``p = rate / sum(rate)``, the multinomial probabilities."""
-        return self._log_p().exp().to(self.rate.dtype)
+        return _probs_only(self.rate).to(self.rate.dtype)
 
     @property
     def _k_max(self) -> int:
@@ -471,8 +479,7 @@ class ConditionedPoisson(TorchDistribution):
 
     @property
     def mean(self) -> torch.Tensor:
-        log_p = self._log_p()
-        return (self.k.double().unsqueeze(-1) * log_p.exp()).to(self.rate.dtype)
+        return (self.k.double().unsqueeze(-1) * _probs_only(self.rate)).to(self.rate.dtype)
 
     @property
     def variance(self) -> torch.Tensor:
