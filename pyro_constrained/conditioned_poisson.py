@@ -140,8 +140,9 @@ def _log_probs_only(rate: torch.Tensor) -> torch.Tensor:
     ratio = rate / largest
     total = ratio.sum(-1, keepdim=True)
     if bool((total >= 1.5).all()):
-        # No rate dominates: log(1 + S) directly loses nothing.
-        return (rate.log() - largest.log()) - total.log()
+        # No rate dominates (p <= 2/3, |log p| >= 0.4): log(1 + S) directly loses nothing,
+        # and one subtraction of log(max) + log(1 + S) keeps log p's relative accuracy.
+        return rate.log() - (largest.log() + total.log())
     # 1 + S rounds S away when S is tiny: sum S without the 1. One largest rate, by index:
     # ties stay in S, so every rate keeps its gradient.
     largest, argmax = rate.max(-1, keepdim=True)
