@@ -11,20 +11,26 @@ gradient, and the entropy is exact and fast.
 from __future__ import annotations
 
 import math
+import warnings
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.scipy.special import gammaln
+from jax.scipy.special import gammaln, logsumexp
 from numpyro.distributions import Binomial, constraints
 from numpyro.distributions.batch_util import _default_vmap_over, vmap_over
 from numpyro.distributions.distribution import Distribution
 from numpyro.distributions.kl import kl_divergence
-from numpyro.util import not_jax_tracer
+from numpyro.util import find_stack_level, not_jax_tracer
 
 from constrained_ppl_common.binomial_tails import bennett_deviation, entropy_log_inverse_tail
+from constrained_ppl_common.exact_integers import (
+    check_k_max_bounds_k,
+    check_total_in_exact_range,
+    largest_exact_integer,
+)
 
 __all__ = ["ConditionedPoisson", "integer_composition", "positive_finite"]
 
@@ -53,14 +59,44 @@ class _PositiveFinite(constraints.Constraint):
 positive_finite = _PositiveFinite()
 
 
-def _is_integer_composition(value, total):
+def _is_integer_composition(value, total, *, total_below_2_to_the_m: bool = False):
     """Whether each vector (last axis) of ``value`` is in the support, and whether all its
-    entries are ``>= 0``."""
-    xp = jnp if isinstance(value, jax.Array) or isinstance(total, jax.Array) else np
-    is_nonnegative = xp.all(value >= 0, axis=-1)
-    # floor(inf) == inf, so finiteness is checked separately; NaN fails every comparison.
-    is_integer = xp.all((value == xp.floor(value)) & xp.isfinite(value), axis=-1)
-    return is_nonnegative & is_integer & (xp.sum(value, axis=-1) == total), is_nonnegative
+    entries are ``>= 0``.
+
+    Exact for any dtype of ``value``: a float sum that rounds (``2**24 - 1 + 1 + 1`` is
+    ``2**24`` in float32) cannot pass for ``total``. Floats are summed as they are where the
+    caller knows ``total < 2**m`` (``m`` their significand bits), else, like integers,
+    checked to lie in ``[0, total]`` and summed as integers.
+    """
+    is_jax = isinstance(value, jax.Array) or isinstance(total, jax.Array)
+    xp = jnp if is_jax else np
+    value = xp.asarray(value)
+    total = xp.asarray(total)
+    is_nonnegative = value >= 0
+    entry_ok = is_nonnegative
+    if xp.issubdtype(value.dtype, xp.floating):
+        # floor(inf) == inf, so finiteness is checked separately; NaN fails every comparison.
+        entry_ok = entry_ok & (value == xp.floor(value)) & xp.isfinite(value)
+        if total_below_2_to_the_m:
+            # Non-negative integers with a true sum up to 2**m are summed exactly in any
+            # order; a larger true sum rounds to at least 2**m > total. (A traced total at
+            # or above 2**m, beyond the static k_max the caller relied on, fails.)
+            limit = largest_exact_integer(str(value.dtype))
+            in_support = (
+                xp.all(entry_ok, axis=-1) & (xp.sum(value, axis=-1) == total) & (total < limit)
+            )
+            return in_support, xp.all(is_nonnegative, axis=-1)
+    entry_ok = entry_ok & (value <= total[..., None])
+    counts = xp.where(entry_ok, value, 0)
+    integer = jnp.result_type(int) if is_jax else np.int64
+    # Entries in [0, total]: the cast is exact; a sum that wrapped around the integer range
+    # is far above total as a float.
+    in_support = (
+        xp.all(entry_ok, axis=-1)
+        & (xp.sum(counts.astype(integer), axis=-1) == total.astype(integer))
+        & (xp.sum(counts, axis=-1) <= 2 * total + 1)
+    )
+    return in_support, xp.all(is_nonnegative, axis=-1)
 
 
 class _IntegerComposition(constraints.Constraint):
@@ -106,45 +142,107 @@ def _finite_log_zero(dtype) -> float:
     return float(jnp.finfo(dtype).min) / 1e8
 
 
+def _accumulation_dtype():
+    """float64 where JAX has it (``jax_enable_x64``), else float32."""
+    return jax.dtypes.canonicalize_dtype(jnp.float64)
+
+
+def _normalized_log_probs(rate):
+    """``log p`` and ``log(1 - p)`` for ``p = rate / sum(rate)``, in `_accumulation_dtype`.
+
+    In log space relative to the largest rate, so that no sum of rates overflows (float32
+    rates near 1e38) and no ratio underflows (1e-30 beside 1e30): with ``S`` the sum of
+    the other rates over the largest, ``log p = log(rate / max) - log(1 + S)``, and
+    ``1 - p`` is ``S / (1 + S)`` for the largest rate, exact where ``S`` is tiny, and
+    ``log1p(-p)`` with ``p <= 1/2`` for every other. A single category has ``p = 1`` and
+    ``log(1 - p) = -inf``.
+    """
+    log_rate = jnp.log(rate.astype(_accumulation_dtype()))
+    n = rate.shape[-1]
+    if n == 1:
+        # 0 with a zero gradient, not a constant: sample and entropy stay differentiable.
+        return log_rate * 0.0, jnp.full_like(log_rate, -jnp.inf)
+    argmax = jnp.argmax(lax.stop_gradient(log_rate), axis=-1, keepdims=True)
+    is_max = jnp.arange(n) == argmax
+    shifted = log_rate - jnp.take_along_axis(log_rate, argmax, axis=-1)
+    log_rest = logsumexp(jnp.where(is_max, -jnp.inf, shifted), axis=-1, keepdims=True)
+    log1p_rest = jnp.logaddexp(log_rest, 0.0)
+    log_p = shifted - log1p_rest
+    # The inner where: log1p(-1) at the largest p would make a NaN gradient.
+    log1m_p_others = jnp.log1p(-jnp.exp(jnp.where(is_max, -1.0, log_p)))
+    log1m_p = jnp.where(is_max, log_rest - log1p_rest, log1m_p_others)
+    return log_p, log1m_p
+
+
+def _log_probs_only(rate):
+    """``log p`` for ``p = rate / sum(rate)`` in `_accumulation_dtype`, as
+    `_normalized_log_probs` gives it but in one logarithm pass (what ``log_prob``, ``mean``
+    and KL need).
+
+    ``log p = log rate - log max - log(1 + S)`` with ``S`` the sum of the other rates over
+    the largest, summed directly (ratios below the dtype's smallest number, which vanish
+    from it, change ``log(1 + S)`` by less than the dtype resolves).
+    """
+    rate = rate.astype(_accumulation_dtype())
+    # One largest rate, by index: ties stay in S, so every rate keeps its gradient.
+    argmax = jnp.argmax(lax.stop_gradient(rate), axis=-1, keepdims=True)
+    is_top = jnp.arange(rate.shape[-1]) == argmax
+    largest = jnp.take_along_axis(rate, argmax, axis=-1)
+    rest = jnp.sum(jnp.where(is_top, 0.0, rate / largest), axis=-1, keepdims=True)
+    # log(rate / largest) exactly 0 for the largest (whose log p is then -log(1 + S)), even
+    # where the vectorised log of rate and the log of largest round differently.
+    log_ratio = jnp.where(is_top, 0.0, jnp.log(rate) - jnp.log(largest))
+    return log_ratio - jnp.log1p(rest)
+
+
+def _probs_only(rate):
+    """``p = rate / sum(rate)`` in `_accumulation_dtype`, as ``(rate / max) / sum(rate /
+    max)``: no sum overflows, and no logarithm is needed (``mean``, ``probs``)."""
+    rate = rate.astype(_accumulation_dtype())
+    ratio = rate / jnp.max(rate, axis=-1, keepdims=True)
+    return ratio / jnp.sum(ratio, axis=-1, keepdims=True)
+
+
 def _log_p_and_log1m_p(rate):
-    """``p``, ``log p`` and ``log(1 - p)`` for ``p = rate / sum(rate)``.
+    """``p``, ``log p`` and ``log(1 - p)`` (`_normalized_log_probs`) in ``rate``'s dtype.
 
     Where ``p == 1`` (a single category) ``log(1 - p)`` is `_finite_log_zero` rather than
     ``-inf``, so that neither values nor gradients become NaN.
     """
-    total = jnp.sum(rate, axis=-1, keepdims=True)
-    p = rate / total
-    log_p = jnp.log(rate) - jnp.log(total)
-    is_certain = p >= 1
-    log1m_p = jnp.log1p(-jnp.where(is_certain, 0.0, p))
-    log1m_p = jnp.where(is_certain, _finite_log_zero(rate.dtype), log1m_p)
-    return p, log_p, log1m_p
+    log_p, log1m_p = _normalized_log_probs(rate)
+    log1m_p = jnp.maximum(log1m_p, _finite_log_zero(rate.dtype))
+    dtype = rate.dtype
+    return jnp.exp(log_p).astype(dtype), log_p.astype(dtype), log1m_p.astype(dtype)
 
 
-def _log_factorial_table(k_max: int, dtype):
-    """``log m!`` for ``m = 0..k_max`` in ``dtype``; ``log 0! = log 1! = 0`` exactly (JAX's
-    float32 ``gammaln(1)`` is not)."""
-    return gammaln(jnp.arange(k_max + 1, dtype=dtype) + 1).at[:2].set(0.0)
+# Above this k_max the entropy evaluates log m! directly instead of tabulating m = 0..k_max.
+LOG_FACTORIAL_TABLE_MAX_SIZE = 2**20
 
 
-def _entropy_window(rate, k, k_max: int) -> tuple[int, int]:
+def _log_factorial(m, k_max: int, dtype):
+    """``log m!`` for integer arrays ``0 <= m <= k_max`` in ``dtype``: gathered from a table
+    for moderate ``k_max``, else ``gammaln``; ``log 0! = log 1! = 0`` exactly (JAX's float32
+    ``gammaln(1)`` is not)."""
+    if k_max + 1 <= LOG_FACTORIAL_TABLE_MAX_SIZE:
+        return gammaln(jnp.arange(k_max + 1, dtype=dtype) + 1).at[:2].set(0.0)[m]
+    return jnp.where(m <= 1, 0.0, gammaln(m.astype(dtype) + 1))
+
+
+def _entropy_window(log_p, log1m_p, k, k_max: int, eps: float) -> tuple[int, int]:
     """Half-width and width (static) of the window of binomial outcomes summed over.
 
     A window ``[floor(mean) - half_width, floor(mean) + half_width + 1]`` clipped to
     ``[0, k]`` holds every outcome within ``t`` of the mean, ``t`` from Bennett's
-    inequality (`bennett_deviation`) at the largest variance in the batch when ``rate``
+    inequality (`bennett_deviation`) at the largest variance in the batch when the rates
     and ``k`` are concrete, else at the bound ``k p (1 - p) <= k_max / 4``.
     """
-    n = rate.shape[-1]
-    eps = float(jnp.finfo(rate.dtype).eps)
+    n = log_p.shape[-1]
     log_inverse_tail = entropy_log_inverse_tail(n, k_max, eps)
-    concrete = not_jax_tracer(rate) and not_jax_tracer(k) and rate.size > 0
+    concrete = not_jax_tracer(log_p) and not_jax_tracer(k) and log_p.size > 0
     if concrete:
-        rate_np = np.asarray(rate, dtype=np.float64)
-        p = rate_np / rate_np.sum(-1, keepdims=True)
-        k_np = np.broadcast_to(np.asarray(k)[..., None], p.shape)
-        mean = k_np * p
-        max_variance = float(np.max(mean * (1 - p)))
+        k_np = np.broadcast_to(np.asarray(k)[..., None], log_p.shape)
+        mean = k_np * np.exp(np.asarray(log_p, dtype=np.float64))
+        max_variance = float(np.max(mean * np.exp(np.asarray(log1m_p, dtype=np.float64))))
     else:
         max_variance = k_max / 4.0
     # +1: floor(mean) may be off by one from the exact floor through rounding.
@@ -159,37 +257,78 @@ def _entropy_window(rate, k, k_max: int) -> tuple[int, int]:
     return half_width, max(1, min(width, k_max + 1))
 
 
-@partial(jax.jit, static_argnames=("k_max", "half_width", "width"))
-def _expected_log_factorials(rate, k, *, k_max: int, half_width: int, width: int):
-    """``E[log z_i!]`` for ``z_i ~ Binomial(k, p_i)``, per coordinate, over the outcome
-    windows of `_entropy_window`; the outcomes outside them are dropped, see
-    `entropy_log_inverse_tail`. ``log m!`` is computed in ``rate``'s dtype."""
-    dtype = rate.dtype
-    p, log_p, log1m_p = _log_p_and_log1m_p(rate)
-    k_event = jnp.broadcast_to(jnp.expand_dims(k, -1), p.shape).astype(jnp.result_type(int))
-    k_float = k_event.astype(dtype)
-    floor_mean = jnp.floor(lax.stop_gradient(k_float * p)).astype(k_event.dtype)
-    first = jnp.maximum(floor_mean - half_width, 0)
+@partial(jax.jit, static_argnames=("k_max", "half_width", "width", "dtype"))
+def _entropy(log_p, log1m_p, k, *, k_max: int, half_width: int, width: int, dtype):
+    """``-log k! - k sum_i p_i log p_i + sum_i E[log z_i!]`` from ``log p``, ``log(1 - p)``
+    (`_normalized_log_probs`, ``n >= 2``), in `_accumulation_dtype`; NaN where ``k > k_max``.
+
+    ``E[log z_i!]`` for ``z_i ~ Binomial(k, p_i)`` sums over the outcome windows of
+    `_entropy_window`; the outcomes outside them are dropped, see
+    `entropy_log_inverse_tail`. Everything large is centred in the accumulation dtype, so
+    that float32 loses nothing at large k (``log k!`` is 1e6 at k = 1e5; its float32
+    rounding alone is 0.06 nats). With ``c = floor(k p)`` and ``j = c + t``::
+
+        log Binomial(j; k, p) - log Binomial(c; k, p) = t delta - G[t],
+        G[t] = log j! - log c! + log (k-j)! - log (k-c)! - t log((c + 1/2) / (k - c + 1/2)),
+        delta = log(p / (1-p)) - log((c + 1/2) / (k - c + 1/2)),
+
+    ``delta`` is O(1 / variance) and ``G`` about ``t^2 / (2 variance)``; and
+    ``E[log z!] = log c! + (k p - c) log(c + 1) + E[D]`` with
+    ``D[t] = log j! - log c! - t log(c + 1)``, about ``t^2 / (2c)`` and exactly 0 at the two
+    outcomes ``c``, ``c + 1`` that can be the mode, so that a near-certain count (entropy
+    1e-28, say) leaves nothing to cancel. The window sums
+    run in ``dtype`` on those small quantities; normalising the weights over the window
+    makes ``log Binomial(c; k, p)`` unnecessary.
+    """
+    accumulation = log_p.dtype
+    integer = jnp.result_type(int)
+    k_event = jnp.broadcast_to(jnp.expand_dims(k, -1), log_p.shape).astype(integer)
+    k_float = k_event.astype(accumulation)
+    mean = k_float * jnp.exp(log_p)
+    # k p <= k since p <= 1; the window holds c.
+    center = jnp.clip(jnp.floor(lax.stop_gradient(mean)).astype(integer), 0, k_event)
+    first = jnp.maximum(center - half_width, 0)
     # A window running past k moves left, so that it holds no outcome beyond k if it can.
     first = jnp.minimum(first, jnp.maximum(k_event + 1 - width, 0))
-    j = first[..., None] + jnp.arange(width, dtype=first.dtype)
+    j = first[..., None] + jnp.arange(width, dtype=integer)
     in_range = j <= k_event[..., None]
     j = jnp.minimum(j, k_event[..., None])
-    log_factorials = _log_factorial_table(k_max, dtype)
-    log_factorial_j = log_factorials[j]
-    j_float = j.astype(dtype)
-    log_pmf = (
-        log_factorials[k_event][..., None]
-        - log_factorial_j
-        - log_factorials[k_event[..., None] - j]
-        + j_float * log_p[..., None]
-        + (k_float[..., None] - j_float) * log1m_p[..., None]
+    t = (j - center[..., None]).astype(accumulation)
+    c_float = center.astype(accumulation)[..., None]
+
+    def log_factorial(m):
+        return _log_factorial(m, k_max, accumulation)
+
+    log_c_factorial = log_factorial(center)
+    log_shift = jnp.log1p(c_float)
+    odds_shift = jnp.log(c_float + 0.5) - jnp.log(k_float[..., None] - c_float + 0.5)
+    d = log_factorial(j) - log_c_factorial[..., None] - t * log_shift
+    # G written from D (the same numbers): XLA fuses this form into the two sums below; G and
+    # D each written from log j! ran twice as long.
+    g = (
+        d
+        + (log_factorial(k_event[..., None] - j) - log_factorial(k_event - center)[..., None])
+        - t * (odds_shift - log_shift)
     )
-    pmf = jnp.where(in_range, jnp.exp(log_pmf), 0.0)
-    # Normalising over the window cancels the rounding error that log k! (about 8e4 for
-    # k = 1e4) puts into every term alike.
-    expected = jnp.sum(pmf * log_factorial_j, axis=-1) / jnp.sum(pmf, axis=-1)
-    return jnp.where(p >= 1, log_factorials[k_event], expected)
+    delta = (log_p - log1m_p)[..., None] - odds_shift
+    log_weights = t.astype(dtype) * delta.astype(dtype) - g.astype(dtype)
+    weights = jnp.where(in_range, jnp.exp(log_weights), 0.0)
+    expected_d = jnp.sum(weights * d.astype(dtype), axis=-1) / jnp.sum(weights, axis=-1)
+    # k p - c without cancellation where p is near 1: (k - c) - k (1 - p) there.
+    mean_minus_center = jnp.where(
+        log_p > -math.log(2),
+        (k_float - c_float[..., 0]) - k_float * jnp.exp(log1m_p),
+        mean - c_float[..., 0],
+    )
+    correction = mean_minus_center * log_shift[..., 0] + expected_d
+    cross_entropy = k_float[..., 0] * jnp.sum(jnp.exp(log_p) * log_p, axis=-1)
+    # Grouped so that a near-certain outcome (entropy 1e-28 beside log k! = 8.5, say)
+    # keeps its relative accuracy: the log-factorials cancel exactly there.
+    log_factorials = jnp.sum(log_c_factorial, axis=-1) - _log_factorial_of_total(k_float[..., 0])
+    entropy = log_factorials + (jnp.sum(correction, axis=-1) - cross_entropy)
+    # k_max is a static bound given by the user when k is traced: a k above it is
+    # detected here, not silently computed with a table too short.
+    return jnp.where(k > k_max, jnp.nan, entropy)
 
 
 def _log_factorial_of_total(k):
@@ -198,40 +337,37 @@ def _log_factorial_of_total(k):
     return jnp.where(k <= 1, 0.0, gammaln(k + 1))
 
 
-@jax.jit
-def _entropy_from_expected_log_factorials(rate, k, expected_log_factorials):
-    p, log_p, _ = _log_p_and_log1m_p(rate)
-    k = k.astype(rate.dtype)
-    cross_entropy_term = k * jnp.sum(p * log_p, axis=-1)
-    expected = jnp.sum(expected_log_factorials, axis=-1)
-    return expected - _log_factorial_of_total(k) - cross_entropy_term
-
-
-@jax.jit
-def _log_prob_and_support(rate, k, value):
-    """``log_prob`` (``-inf`` off the support) and the support indicator, one compiled call."""
-    in_support, _ = _is_integer_composition(value, k)
-    # gammaln(z + 1) at a negative integer is inf and its derivative NaN: evaluate there
-    # at 0 instead (those entries get -inf below). where, not maximum: maximum(z, 0)
-    # halves the gradient at z = 0.
-    value = jnp.where(value >= 0, value, 0.0)
-    log_p = jnp.log(rate) - jnp.log(jnp.sum(rate, axis=-1, keepdims=True))
-    k = k.astype(rate.dtype)
+@partial(jax.jit, static_argnames=("dtype", "total_below_2_to_the_m"))
+def _log_prob_and_support(rate, k, value, *, dtype, total_below_2_to_the_m: bool):
+    """``log_prob`` (``-inf`` off the support) in ``dtype``, accumulated in
+    `_accumulation_dtype`, and the support indicator, one compiled call."""
+    in_support, _ = _is_integer_composition(value, k, total_below_2_to_the_m=total_below_2_to_the_m)
+    # gammaln(z + 1) at a negative integer is inf and its derivative NaN: evaluate off the
+    # support at 0 instead (those entries get -inf below). where, not maximum:
+    # maximum(z, 0) halves the gradient at z = 0.
+    value = jnp.where(in_support[..., None], value, 0)
+    log_p = _log_probs_only(rate)
+    accumulation = log_p.dtype
+    counts = value.astype(accumulation)
+    k = k.astype(accumulation)
     log_prob = (
-        _log_factorial_of_total(k) - jnp.sum(gammaln(value + 1), -1) + jnp.sum(value * log_p, -1)
+        _log_factorial_of_total(k) - jnp.sum(gammaln(counts + 1), -1) + jnp.sum(counts * log_p, -1)
     )
-    return jnp.where(in_support, log_prob, -jnp.inf), in_support
+    return jnp.where(in_support, log_prob, -jnp.inf).astype(dtype), in_support
 
 
-@partial(jax.jit, static_argnames=("k_max", "sample_shape"))
-def _sample_counts_categorical(key, rate, k, *, k_max: int, sample_shape: tuple[int, ...]):
+@partial(jax.jit, static_argnames=("k_max", "sample_shape", "dtype"))
+def _sample_counts_categorical(key, rate, k, *, k_max: int, sample_shape: tuple[int, ...], dtype):
     """Exact counts from ``k_max`` categorical draws per event, those past each event's own
-    ``k`` masked out: inverse-CDF search (O(k log n)), not Gumbel-max (O(k n))."""
-    dtype = rate.dtype
+    ``k`` masked out: inverse-CDF search (O(k log n)), not Gumbel-max (O(k n)). NaN where
+    ``k > k_max`` (a traced ``k`` above the static bound)."""
     batch_shape, n = rate.shape[:-1], rate.shape[-1]
     rows = math.prod(batch_shape)
     num_samples = math.prod(sample_shape)
-    cumulative = jnp.cumsum(rate.reshape(rows, n), axis=-1)
+    # The rates over the largest, not the rates: their sum could overflow (float32 rates
+    # near 1e38).
+    weights = (rate / jnp.max(rate, axis=-1, keepdims=True)).astype(dtype)
+    cumulative = jnp.cumsum(weights.reshape(rows, n), axis=-1)
     uniforms = jax.random.uniform(key, (rows, num_samples * k_max), dtype=dtype)
     # Scaling by the last cumulative sum (not 1) makes the search match the rounded cumsum.
     targets = uniforms * cumulative[:, -1:]
@@ -243,21 +379,22 @@ def _sample_counts_categorical(key, rate, k, *, k_max: int, sample_shape: tuple[
     sample_index = jnp.arange(num_samples)[None, :, None]
     counts = jnp.zeros((rows, num_samples, n), dtype)
     counts = counts.at[row_index, sample_index, draws].add(jnp.broadcast_to(keep, draws.shape))
+    counts = jnp.where(k_rows > k_max, jnp.nan, counts)
     counts = jnp.moveaxis(counts, 1, 0)
     return counts.reshape(sample_shape + batch_shape + (n,))
 
 
-@partial(jax.jit, static_argnames=("sample_shape",))
-def _sample_counts_sequentially(key, rate, k, *, sample_shape: tuple[int, ...]):
-    """``z_i ~ Binomial(k - z_1 - ... - z_{i-1}, rate_i / sum_{j >= i} rate_j)``, the last
+@partial(jax.jit, static_argnames=("sample_shape", "dtype"))
+def _sample_counts_sequentially(key, log_p, k, *, sample_shape: tuple[int, ...], dtype):
+    """``z_i ~ Binomial(k - z_1 - ... - z_{i-1}, p_i / sum_{j >= i} p_j)``, the last
     coordinate taking the remainder: O(n) binomial draws per event whatever k is, and no
     static bound on k needed (k may be traced)."""
-    dtype = rate.dtype
-    shape = sample_shape + rate.shape[:-1]
-    n = rate.shape[-1]
-    # Tail sums of the rates, not 1 - cumsum(p): no cancellation for the last categories.
-    tail = jnp.flip(jnp.cumsum(jnp.flip(rate, -1), -1), -1)
-    conditional_p = jnp.clip(rate / tail, 0.0, 1.0)
+    shape = sample_shape + log_p.shape[:-1]
+    n = log_p.shape[-1]
+    # Tail sums in log space, not 1 - cumsum(p): no cancellation for the last categories
+    # and no underflow of tiny ones.
+    log_tail = lax.cumlogsumexp(log_p, axis=log_p.ndim - 1, reverse=True)
+    conditional_p = jnp.clip(jnp.exp(log_p - log_tail), 0.0, 1.0).astype(dtype)
     conditional_p = jnp.moveaxis(jnp.broadcast_to(conditional_p, shape + (n,)), -1, 0)
     remaining = jnp.broadcast_to(jnp.asarray(k, dtype), shape)
 
@@ -292,11 +429,26 @@ class ConditionedPoisson(Distribution):
     exactly integer and sums exactly to ``k``; ``has_rsample`` is true, so ``Trace_ELBO``
     treats the site as reparameterised. ``marginals`` are ``Binomial(k, p_i)``.
 
+    Numerics: ``p`` is normalised in log space, and ``log_prob``, ``entropy``, ``mean``,
+    ``variance``, KL and ``log_constraint_prob`` accumulate in float64 where JAX has it
+    (``jax_enable_x64``; float32 otherwise, with float32's cancellation at large ``k``)
+    before rounding to ``rate``'s dtype. ``k`` and the samples live in ``rate``'s dtype,
+    which must hold every count exactly: ``k`` (or ``k_max``) above ``2**24`` (float32) or
+    ``2**53`` (float64) is a ``ValueError``.
+
+    Under ``jit`` with a traced ``k``: nothing about ``k``'s values can be checked at
+    construction; a ``k`` above ``k_max`` makes ``sample``, ``entropy`` and the expected L1
+    loss NaN rather than silently wrong, and a traced ``k`` beyond the exact integers of
+    ``rate``'s dtype without ``k_max`` cannot be detected.
+
     :param rate: positive, finite Poisson rates, shape ``batch + (n,)``.
-    :param k: the known total, a non-negative integer (per batch element or shared).
-    :param k_max: a static upper bound on ``k``, taken from ``k`` when it is concrete.
-        Needed only where ``k`` is traced at construction (inside ``jit``): sampling then
-        falls back to sequential binomials without it, and ``entropy`` needs it.
+    :param k: the known total, a non-negative integer (per batch element or shared): a
+        Python int or an integer array; a floating array is accepted when its values are
+        integers, a Python float or a bool is not.
+    :param k_max: a static upper bound on ``k``, taken from ``k`` when it is concrete (and
+        then checked to bound it). Needed only where ``k`` is traced at construction
+        (inside ``jit``): sampling then falls back to sequential binomials without it, and
+        ``entropy`` needs it.
     """
 
     arg_constraints = {"rate": positive_finite, "k": constraints.nonnegative_integer}
@@ -321,12 +473,27 @@ class ConditionedPoisson(Distribution):
             )
         if rate.shape[-1] < 1:
             raise ValueError("rate must have at least one category (rate.shape[-1] >= 1)")
-        if isinstance(k, bool) or jnp.asarray(k).dtype == jnp.bool_:
-            raise ValueError("k must be a non-negative integer, got a boolean")
-        if k_max is None and not_jax_tracer(k):
+        _check_total_count_type(k)
+        if k_max is not None:
+            if isinstance(k_max, bool) or not isinstance(k_max, int | np.integer):
+                raise ValueError(f"k_max must be a Python int, got {k_max!r}")
+            k_max = int(k_max)
+        if not_jax_tracer(k):
             # From the input, before jnp.asarray: inside jit even a Python int becomes a tracer.
             k_concrete = np.asarray(k)
-            k_max = int(np.max(k_concrete)) if k_concrete.size else 0
+            largest_k = _largest_finite(k_concrete)
+            if largest_k is not None:
+                if k_max is None:
+                    k_max = largest_k
+                else:
+                    check_k_max_bounds_k(k_max, largest_k)
+                if np.issubdtype(k_concrete.dtype, np.floating):
+                    check_total_in_exact_range(largest_k, str(k_concrete.dtype), argument="k")
+                check_total_in_exact_range(largest_k, str(rate.dtype), argument="k")
+            elif k_max is None:
+                k_max = 0
+        if k_max is not None:
+            check_total_in_exact_range(k_max, str(rate.dtype), argument="k_max")
         k = jnp.asarray(k)
         try:
             batch_shape, event_shape = self.infer_shapes(rate.shape, k.shape)
@@ -337,7 +504,7 @@ class ConditionedPoisson(Distribution):
             ) from error
         self.rate = jnp.broadcast_to(rate, batch_shape + event_shape)
         self.k = jnp.broadcast_to(k, batch_shape)
-        self.k_max = None if k_max is None else max(int(k_max), 0)
+        self.k_max = None if k_max is None else max(k_max, 0)
         super().__init__(batch_shape, event_shape, validate_args=validate_args)
 
     @classmethod
@@ -365,10 +532,18 @@ class ConditionedPoisson(Distribution):
     def support(self) -> constraints.Constraint:
         return _IntegerComposition(self.k)
 
+    def _log_probs(self):
+        """``log p`` and ``log(1 - p)`` in the accumulation dtype (`_normalized_log_probs`)."""
+        return _normalized_log_probs(self.rate)
+
+    def _log_p(self):
+        """``log p`` in the accumulation dtype (`_log_probs_only`)."""
+        return _log_probs_only(self.rate)
+
     @property
     def probs(self):
         """``p = rate / sum(rate)``, the multinomial probabilities."""
-        return self.rate / jnp.sum(self.rate, axis=-1, keepdims=True)
+        return _probs_only(self.rate).astype(self.rate.dtype)
 
     @property
     def _k_float(self):
@@ -376,12 +551,15 @@ class ConditionedPoisson(Distribution):
 
     @property
     def mean(self):
-        return self._k_float[..., None] * self.probs
+        p = _probs_only(self.rate)
+        return (self.k.astype(p.dtype)[..., None] * p).astype(self.rate.dtype)
 
     @property
     def variance(self):
-        p = self.probs
-        return self._k_float[..., None] * p * (1 - p)
+        # k p (1 - p) with 1 - p exact also where p rounds to 1.
+        log_p, log1m_p = self._log_probs()
+        k = self.k.astype(log_p.dtype)[..., None]
+        return (k * jnp.exp(log_p + log1m_p)).astype(self.rate.dtype)
 
     @property
     def marginals(self) -> Binomial:
@@ -393,47 +571,73 @@ class ConditionedPoisson(Distribution):
     def log_constraint_prob(self):
         """``log P(sum_i z_i = k)`` under the unconstrained Poissons, ``log Poisson(k; sum(rate))``
         (the count likelihood of a bag of known total)."""
-        total = jnp.sum(self.rate, axis=-1)
-        k = self._k_float
-        return k * jnp.log(total) - total - _log_factorial_of_total(k)
+        log_total = logsumexp(jnp.log(self.rate.astype(_accumulation_dtype())), axis=-1)
+        k = self.k.astype(log_total.dtype)
+        log_prob = k * log_total - jnp.exp(log_total) - _log_factorial_of_total(k)
+        return log_prob.astype(self.rate.dtype)
 
     def log_prob(self, value):
-        """``log k! - sum_i log z_i! + sum_i z_i log p_i``; ``-inf`` off the support (or a
-        ``ValueError`` there with validation on, where the value is concrete).
-        Differentiable in ``value`` too."""
-        value = jnp.asarray(value, dtype=self.rate.dtype)
+        """``log k! - sum_i log z_i! + sum_i z_i log p_i``; ``-inf`` off the support, where,
+        with validation on and a concrete value, NumPyro's "Out-of-support values"
+        ``UserWarning`` is emitted too (as by NumPyro's own distributions; not under
+        ``jit``). Differentiable in ``value`` too.
+
+        The support check is exact whatever ``value``'s dtype (an integer count above
+        ``2**24`` is not rounded into the support of a float32 distribution); the sum is
+        accumulated in float64 where JAX has it and returned in the promotion of ``rate``'s
+        and a floating ``value``'s dtypes.
+        """
+        value = jnp.asarray(value)
+        if jnp.issubdtype(value.dtype, jnp.floating):
+            dtype = jnp.result_type(self.rate.dtype, value.dtype)
+        else:
+            dtype = self.rate.dtype
         if value.shape[-1:] != self.event_shape:
             raise ValueError(
                 f"value of shape {value.shape} does not end in the event shape "
                 f"{self.event_shape} of ConditionedPoisson"
             )
-        log_prob, in_support = _log_prob_and_support(self.rate, self.k, value)
+        total_below_2_to_the_m = (
+            self.k_max is not None
+            and jnp.issubdtype(value.dtype, jnp.floating)
+            and self.k_max < largest_exact_integer(str(value.dtype))
+        )
+        log_prob, in_support = _log_prob_and_support(
+            self.rate, self.k, value, dtype=dtype, total_below_2_to_the_m=total_below_2_to_the_m
+        )
         if self._validate_args and not_jax_tracer(in_support) and not bool(jnp.all(in_support)):
-            raise ValueError(
-                "The value argument to ConditionedPoisson.log_prob must be vectors of "
-                f"integers >= 0 that sum to exactly k, got {value} with k = {self.k}"
+            warnings.warn(
+                "Out-of-support values provided to log prob method. "
+                "The value argument should be within the support.",
+                UserWarning,
+                stacklevel=find_stack_level(),
             )
         return log_prob
 
     def sample(self, key, sample_shape: tuple[int, ...] = ()):
         """An exact sample ``z`` returned as ``z + (m - stop_gradient(m))`` with ``m = k p``:
-        the value is exactly ``z``, the gradient that of the conditional mean."""
+        the value is exactly ``z``, the gradient that of the conditional mean (zero, not
+        absent, where ``k = 0``). NaN where a traced ``k`` exceeds ``k_max``."""
         sample_shape = tuple(sample_shape)
+        dtype = self.rate.dtype
         rate = lax.stop_gradient(self.rate)
         k = lax.stop_gradient(self.k)
         n = rate.shape[-1]
         if self.k_max == 0:
-            z = jnp.zeros(sample_shape + rate.shape, rate.dtype)
+            z = jnp.where(k[..., None] > 0, jnp.nan, jnp.zeros(sample_shape + rate.shape, dtype))
         elif (
             self.k_max is not None
             and self.k_max < SEQUENTIAL_BINOMIAL_MIN_K_PER_CATEGORY * n
             and math.prod(sample_shape + self.batch_shape) > 0
         ):
             z = _sample_counts_categorical(
-                key, rate, k, k_max=self.k_max, sample_shape=sample_shape
+                key, rate, k, k_max=self.k_max, sample_shape=sample_shape, dtype=dtype
             )
         else:
-            z = _sample_counts_sequentially(key, rate, k, sample_shape=sample_shape)
+            log_p = _log_probs_only(rate)
+            z = _sample_counts_sequentially(key, log_p, k, sample_shape=sample_shape, dtype=dtype)
+            if self.k_max is not None:
+                z = jnp.where(k[..., None] > self.k_max, jnp.nan, z)
         m = jnp.broadcast_to(self.mean, z.shape)
         return z + (m - lax.stop_gradient(m))
 
@@ -443,19 +647,56 @@ class ConditionedPoisson(Distribution):
 
         The expectations sum only over binomial outcomes within a Bennett-inequality window
         around each mean; the dropped terms total at most ``0.01`` times the machine epsilon
-        of ``rate``'s dtype (absolute), see `entropy_log_inverse_tail`. ``log m!`` is
-        computed in ``rate``'s dtype. Under ``jit`` with a traced ``k``, needs ``k_max``.
+        of ``rate``'s dtype (absolute), see `entropy_log_inverse_tail`. The window sums run
+        in ``rate``'s dtype on quantities centred in the accumulation dtype (`_entropy`).
+        Under ``jit`` with a traced ``k``, needs ``k_max``; NaN where ``k > k_max``.
         """
         if self.k_max is None:
             raise ValueError(
                 "ConditionedPoisson.entropy needs a static bound on k: pass k_max= when k is "
                 "traced (inside jit or vmap)"
             )
-        half_width, width = _entropy_window(self.rate, self.k, self.k_max)
-        expected_log_factorials = _expected_log_factorials(
-            self.rate, self.k, k_max=self.k_max, half_width=half_width, width=width
+        dtype = self.rate.dtype
+        log_p, log1m_p = self._log_probs()
+        if self.event_shape[0] == 1:
+            # A single category: z = k surely. 0 with a zero gradient.
+            entropy = jnp.sum(log_p, -1) * self.k
+            return jnp.where(self.k > self.k_max, jnp.nan, entropy).astype(dtype)
+        eps = float(jnp.finfo(dtype).eps)
+        half_width, width = _entropy_window(log_p, log1m_p, self.k, self.k_max, eps)
+        entropy = _entropy(
+            log_p,
+            log1m_p,
+            self.k,
+            k_max=self.k_max,
+            half_width=half_width,
+            width=width,
+            dtype=np.dtype(dtype),
         )
-        return _entropy_from_expected_log_factorials(self.rate, self.k, expected_log_factorials)
+        return entropy.astype(dtype)
+
+
+def _check_total_count_type(k) -> None:
+    """``ValueError`` for a ``k`` that cannot be a count whatever its value."""
+    if isinstance(k, bool) or jnp.asarray(k).dtype == jnp.bool_:
+        raise ValueError("k must be a non-negative integer, got a boolean")
+    if isinstance(k, float):
+        raise ValueError(
+            f"k must be an integer (a Python int or an integer array), got the float {k!r}"
+        )
+    if jnp.issubdtype(jnp.asarray(k).dtype, jnp.complexfloating):
+        raise ValueError(f"k must be an integer array, got dtype {jnp.asarray(k).dtype}")
+
+
+def _largest_finite(k: np.ndarray) -> int | None:
+    """The largest entry of a concrete ``k`` as an int; None when empty or not finite (NaN
+    and negative ``k`` are left to the validation of ``k``)."""
+    if k.size == 0:
+        return None
+    largest = np.max(k)
+    if not np.isfinite(largest):
+        return None
+    return int(largest)
 
 
 @vmap_over.register
@@ -465,7 +706,8 @@ def _vmap_over_conditioned_poisson(dist: ConditionedPoisson, rate=None, k=None):
 
 @kl_divergence.register(ConditionedPoisson, ConditionedPoisson)
 def _kl_conditioned_poisson(p: ConditionedPoisson, q: ConditionedPoisson):
-    """``KL(p || q) = k sum_i p_i log(p_i / q_i)`` for two with the same ``k`` and ``n``."""
+    """``KL(p || q) = k sum_i p_i log(p_i / q_i)`` for two with the same ``k`` and ``n``, in
+    the promotion of their dtypes."""
     if p.event_shape != q.event_shape:
         raise ValueError(
             f"KL between ConditionedPoisson needs the same number of categories, got "
@@ -474,6 +716,7 @@ def _kl_conditioned_poisson(p: ConditionedPoisson, q: ConditionedPoisson):
     if not_jax_tracer(p.k) and not_jax_tracer(q.k):
         if not np.array_equal(*np.broadcast_arrays(np.asarray(p.k), np.asarray(q.k))):
             raise ValueError("KL between ConditionedPoisson needs the same k")
-    _, log_p, _ = _log_p_and_log1m_p(p.rate)
-    _, log_q, _ = _log_p_and_log1m_p(q.rate)
-    return p._k_float * jnp.sum(p.probs * (log_p - log_q), axis=-1)
+    log_p = p._log_p()
+    log_q = q._log_p()
+    kl = p.k.astype(log_p.dtype) * jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
+    return kl.astype(jnp.result_type(p.rate.dtype, q.rate.dtype))

@@ -90,12 +90,13 @@ def _expected_l1_loss_linear_constrained_normal(
 
 @partial(jax.jit, static_argnames=("k_max",))
 def _poisson_expected_l1(rate, k, target, *, k_max: int):
-    """``sum_i 2 (k - y_i) p_i Bin(y_i; k, p_i) + (k p_i - y_i)(1 - 2 F(y_i))``."""
-    p = rate / jnp.sum(rate, axis=-1, keepdims=True)
-    k = k.astype(rate.dtype)[..., None]
-    pmf_at_y, cdf_at_y = _binomial_pmf_and_cdf_at(rate, k, target, k_max)
-    terms = 2 * (k - target) * p * pmf_at_y + (k * p - target) * (1 - 2 * cdf_at_y)
-    return jnp.sum(terms, -1)
+    """``sum_i 2 (k - y_i) p_i Bin(y_i; k, p_i) + (k p_i - y_i)(1 - 2 F(y_i))``; NaN where
+    ``k > k_max`` (a traced ``k`` above the static bound: the outcome grid is too short)."""
+    p, _, _ = _log_p_and_log1m_p(rate)
+    k_float = k.astype(rate.dtype)[..., None]
+    pmf_at_y, cdf_at_y = _binomial_pmf_and_cdf_at(rate, k_float, target, k_max)
+    terms = 2 * (k_float - target) * p * pmf_at_y + (k_float * p - target) * (1 - 2 * cdf_at_y)
+    return jnp.where(k > k_max, jnp.nan, jnp.sum(terms, -1))
 
 
 def _binomial_pmf_and_cdf_at(rate, k, target, k_max: int):

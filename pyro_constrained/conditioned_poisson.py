@@ -17,6 +17,10 @@ from torch.distributions import constraints
 from torch.distributions.kl import register_kl
 
 from constrained_ppl_common.binomial_tails import bennett_deviation, entropy_log_inverse_tail
+from constrained_ppl_common.exact_integers import (
+    check_total_in_exact_range,
+    largest_exact_integer,
+)
 
 __all__ = ["ConditionedPoisson", "integer_composition", "positive_finite"]
 
@@ -67,12 +71,106 @@ def _is_integer_composition(
     value: torch.Tensor, total: torch.Tensor | int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Whether each vector (last dimension) of ``value`` is in the support, and whether all
-    its entries are ``>= 0``; few passes over ``value``, as ``log_prob`` runs this each call.
+    its entries are ``>= 0``.
+
+    Exact for any dtype of ``value``: a float sum that rounds (``2**24 - 1 + 1 + 1`` is
+    ``2**24`` in float32) cannot pass for ``total``. Floats are summed as they are where
+    ``total`` is below ``2**m`` (``m`` their significand bits), else, like integers,
+    checked to lie in ``[0, total]`` and summed as int64.
     """
-    is_nonnegative = value.amin(-1) >= 0
-    # frac is NaN for +-inf and NaN, which then fail the test.
-    is_integer = (torch.frac(value) == 0).all(-1)
-    return is_nonnegative & is_integer & (value.sum(-1) == total), is_nonnegative
+    total = torch.as_tensor(total, device=value.device)
+    is_nonnegative = value >= 0
+    entry_ok = is_nonnegative
+    if value.is_floating_point():
+        # frac is NaN for +-inf and NaN, which then fail the test.
+        entry_ok = entry_ok & (torch.frac(value) == 0)
+        largest_total = int(total.max()) if total.numel() else 0
+        if largest_total < largest_exact_integer(str(value.dtype)):
+            # Non-negative integers with a true sum up to 2**m are summed exactly in any
+            # order; a larger true sum rounds to at least 2**m > total. So the float sum
+            # tells exactly whether the sum is total.
+            in_support = entry_ok.all(-1) & (value.sum(-1) == total)
+            return in_support, is_nonnegative.all(-1)
+    entry_ok = entry_ok & (value <= total.unsqueeze(-1))
+    # Entries in [0, total], total <= 2**53: the cast is exact and the int64 sum cannot
+    # overflow below 1024 entries; beyond, a sum that wrapped is far above total as a float.
+    counts = torch.where(entry_ok, value, 0)
+    in_support = entry_ok.all(-1) & (counts.long().sum(-1) == total.long())
+    if value.shape[-1] >= 1024:
+        in_support &= counts.double().sum(-1) <= 2 * total.double() + 1
+    return in_support, is_nonnegative.all(-1)
+
+
+def _normalized_log_probs(rate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``log p`` and ``log(1 - p)`` for ``p = rate / sum(rate)``, in float64.
+
+    In log space relative to the largest rate, so that no sum of rates overflows (float32
+    rates near 1e38) and no ratio underflows (1e-30 beside 1e30): with ``S`` the sum of
+    the other rates over the largest, ``log p = log(rate / max) - log(1 + S)``, and
+    ``1 - p`` is ``S / (1 + S)`` for the largest rate, exact where ``S`` is tiny, and
+    ``log1p(-p)`` with ``p <= 1/2`` for every other. A single category has ``p = 1`` and
+    ``log(1 - p) = -inf``.
+    """
+    log_rate = rate.to(torch.float64).log()
+    if rate.shape[-1] == 1:
+        # 0 with a zero gradient, not a constant: rsample and entropy stay differentiable.
+        return log_rate * 0.0, torch.full_like(log_rate, -math.inf)
+    log_max, argmax = log_rate.max(-1, keepdim=True)
+    shifted = log_rate - log_max
+    is_max = torch.zeros_like(shifted, dtype=torch.bool).scatter_(-1, argmax, True)
+    log_rest = torch.logsumexp(shifted.masked_fill(is_max, -math.inf), -1, keepdim=True)
+    log1p_rest = torch.logaddexp(log_rest, torch.zeros_like(log_rest))
+    log_p = shifted - log1p_rest
+    # masked_fill, not where alone: log1p(-1) at the largest p would make a NaN gradient.
+    log1m_p_others = torch.log1p(-log_p.masked_fill(is_max, -1.0).exp())
+    log1m_p = torch.where(is_max, log_rest - log1p_rest, log1m_p_others)
+    return log_p, log1m_p
+
+
+def _log_probs_only(rate: torch.Tensor) -> torch.Tensor:
+    """``log p`` for ``p = rate / sum(rate)`` in float64, as `_normalized_log_probs` gives it
+    but in one logarithm pass (what ``log_prob``, ``mean`` and KL need).
+
+    ``log p = log rate - log max - log(1 + S)`` with ``S`` the sum of the other rates over
+    the largest, summed directly (ratios below 1e-308 of the largest, which vanish from
+    it, change ``log(1 + S)`` by less than float64 resolves).
+    """
+    rate = rate.to(torch.float64)
+    largest = rate.amax(-1, keepdim=True)
+    ratio = rate / largest
+    total = ratio.sum(-1, keepdim=True)
+    if bool((total >= 1.5).all()):
+        # No rate dominates (p <= 2/3, |log p| >= 0.4): log(1 + S) directly loses nothing,
+        # and one subtraction of log(max) + log(1 + S) keeps log p's relative accuracy.
+        return rate.log() - (largest.log() + total.log())
+    # 1 + S rounds S away when S is tiny: sum S without the 1. One largest rate, by index:
+    # ties stay in S, so every rate keeps its gradient.
+    largest, argmax = rate.max(-1, keepdim=True)
+    is_top = torch.zeros_like(rate, dtype=torch.bool).scatter_(-1, argmax, True)
+    rest = torch.where(is_top, 0.0, rate / largest).sum(-1, keepdim=True)
+    # log(rate / largest) exactly 0 for the largest (whose log p is then -log(1 + S)), even
+    # where the vectorised log of rate and the log of largest round differently.
+    log_ratio = torch.where(is_top, 0.0, rate.log() - largest.log())
+    return log_ratio - torch.log1p(rest)
+
+
+def _probs_only(rate: torch.Tensor) -> torch.Tensor:
+    """``p = rate / sum(rate)`` in float64, as ``(rate / max) / sum(rate / max)``: no sum
+    overflows, and no logarithm is needed (``mean``, ``probs``)."""
+    ratio = rate.to(torch.float64)
+    ratio = ratio / ratio.amax(-1, keepdim=True)
+    return ratio / ratio.sum(-1, keepdim=True)
+
+
+def _log_p_and_log1m_p(rate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``p``, ``log p`` and ``log(1 - p)`` (`_normalized_log_probs`) in ``rate``'s dtype.
+
+    Where ``p == 1`` (a single category) ``log(1 - p)`` is `_finite_log_zero` rather than
+    ``-inf``, so that neither values nor gradients become NaN.
+    """
+    log_p, log1m_p = _normalized_log_probs(rate)
+    log1m_p = log1m_p.clamp(min=_finite_log_zero(rate.dtype))
+    return log_p.exp().to(rate.dtype), log_p.to(rate.dtype), log1m_p.to(rate.dtype)
 
 
 def _binomial_windows(
@@ -105,76 +203,93 @@ def _finite_log_zero(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).min / 1e8
 
 
-def _log_p_and_log1m_p(rate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``p``, ``log p`` and ``log(1 - p)`` for ``p = rate / sum(rate)``.
+def _expected_log_factorials(
+    log_p: torch.Tensor, log1m_p: torch.Tensor, k: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``E[log z_i!]`` for ``z_i ~ Binomial(k, p_i)``, per coordinate, in float64, as the
+    two terms ``log c!`` and ``E[log z!] - log c!`` (defined below).
 
-    Where ``p == 1`` (a single category) ``log(1 - p)`` is `_finite_log_zero` rather than
-    ``-inf``, so that neither values nor gradients become NaN.
+    ``log_p`` and ``log1m_p`` (float64, from `_normalized_log_probs`, ``n >= 2``) have shape
+    ``batch + (n,)``, ``k`` (long) ``batch``. Sums over the outcomes in `_binomial_windows`;
+    the rest are dropped, see `entropy_log_inverse_tail` (at the machine epsilon of
+    ``dtype``, the dtype of the O(n w) loop).
+
+    Everything large is centred in float64 before that loop, so that float32 loses nothing
+    at large k (``log k!`` is 1e6 at k = 1e5; its float32 rounding alone is 0.06 nats).
+    With ``c = floor(k p)`` and ``j = c + t``::
+
+        log Binomial(j; k, p) - log Binomial(c; k, p) = t delta - G[t],
+        G[t] = log j! - log c! + log (k-j)! - log (k-c)! - t log((c + 1/2) / (k - c + 1/2)),
+        delta = log(p / (1-p)) - log((c + 1/2) / (k - c + 1/2)),
+
+    ``delta`` is O(1 / variance) and ``G`` about ``t^2 / (2 variance)``; and
+    ``E[log z!] = log c! + (k p - c) log(c + 1) + E[D]`` with
+    ``D[t] = log j! - log c! - t log(c + 1)``, about ``t^2 / (2c)`` and exactly 0 at the two
+    outcomes ``c``, ``c + 1`` that can be the mode, so that a near-certain count (entropy
+    1e-28, say) leaves nothing to cancel. ``G`` and ``D`` depend only on ``(k, c)``: few
+    distinct pairs occur, so they are tabulated once per pair (in float64, then rounded to
+    ``dtype``) and gathered as rows. Normalising the weights over the window makes
+    ``log Binomial(c; k, p)`` unnecessary.
     """
-    total = rate.sum(-1, keepdim=True)
-    p = rate / total
-    log_p = rate.log() - total.log()
-    is_certain = p >= 1
-    log1m_p = torch.log1p(-torch.where(is_certain, 0.0, p))
-    log1m_p = torch.where(is_certain, _finite_log_zero(rate.dtype), log1m_p)
-    return p, log_p, log1m_p
-
-
-def _expected_log_factorials(rate: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """``E[log z_i!]`` for ``z_i ~ Binomial(k, p_i)``, per coordinate.
-
-    Sums over the outcomes in `_binomial_windows`; the rest are dropped, see
-    `entropy_log_inverse_tail`. ``rate`` has shape ``batch + (n,)``, ``k`` (long) ``batch``;
-    ``log m!`` is computed in ``rate``'s dtype.
-
-    With ``j = first + s``, ``log Binomial(j; k, p) = a + s log(p / (1-p)) - G[s]`` where
-    ``a = log k! + first log p + (k - first) log(1-p)`` is per coordinate and
-    ``G[s] = log j! + log (k-j)!`` depends only on ``(k, first)``: few distinct pairs occur,
-    so ``G`` and ``log j!`` are tabulated once per pair and gathered as rows.
-    """
-    p, log_p, log1m_p = _log_p_and_log1m_p(rate)
-    n = rate.shape[-1]
+    shape = log_p.shape
+    n = shape[-1]
+    accumulation = log_p.dtype
+    device = log_p.device
+    k_event = k.unsqueeze(-1).expand(shape)
     k_max = int(k.max()) if k.numel() else 0
-    dtype, device = rate.dtype, rate.device
-    log_factorials = torch.lgamma(torch.arange(k_max + 1, dtype=dtype, device=device) + 1)
-    k_event = k.unsqueeze(-1).expand(p.shape)
-    is_certain = p >= 1
     with torch.no_grad():
-        mean = k_event.to(dtype) * p
-        max_variance = float((mean * (1 - p)).max()) if mean.numel() else 0.0
+        mean = k_event.to(accumulation) * log_p.exp()
+        variance = mean * log1m_p.exp()
+        max_variance = float(variance.max()) if variance.numel() else 0.0
         log_inverse_tail = entropy_log_inverse_tail(n, k_max, torch.finfo(dtype).eps)
         first, width = _binomial_windows(mean, k_event, max_variance, log_inverse_tail)
-        pair_key = k_event * (k_max + 1) + first
+        # k p <= k since p <= 1; the window holds c (see _binomial_windows).
+        center = torch.minimum(mean.floor().long(), k_event)
+        pair_key = k_event * (k_max + 1) + center
         unique_keys, row_of_coordinate = torch.unique(pair_key, return_inverse=True)
-        unique_k = (unique_keys // (k_max + 1)).unsqueeze(-1)
-        j = (unique_keys % (k_max + 1)).unsqueeze(-1) + torch.arange(width, device=device)
-        in_range = j <= unique_k
-        j = torch.minimum(j, unique_k)
-        log_factorial_j_rows = log_factorials[j]
-        # Outcomes beyond k get G = inf, hence probability 0.
-        g_rows = torch.where(
-            in_range, log_factorial_j_rows + log_factorials[unique_k - j], math.inf
-        )
-        # index_select of whole rows is several times faster than advanced indexing.
         rows = row_of_coordinate.reshape(-1)
-        log_factorial_j = log_factorial_j_rows.index_select(0, rows).view(p.shape + (width,))
-        g = g_rows.index_select(0, rows).view(p.shape + (width,))
+        unique_k = unique_keys // (k_max + 1)
+        unique_c = unique_keys % (k_max + 1)
+        # Coordinates with the same (k, c) have the same window.
+        unique_first = torch.zeros_like(unique_keys).scatter_(0, rows, first.reshape(-1))
+        j = unique_first.unsqueeze(-1) + torch.arange(width, device=device)
+        in_range = j <= unique_k.unsqueeze(-1)
+        j = torch.minimum(j, unique_k.unsqueeze(-1)).to(accumulation)
+        k_rows = unique_k.to(accumulation).unsqueeze(-1)
+        c_rows = unique_c.to(accumulation).unsqueeze(-1)
+        t = j - c_rows
+        log_c_factorial = torch.lgamma(c_rows + 1)
+        log_j_over_c = torch.lgamma(j + 1) - log_c_factorial
+        log_shift = torch.log1p(c_rows)
+        odds_shift = torch.log(c_rows + 0.5) - torch.log(k_rows - c_rows + 0.5)
+        g_rows = log_j_over_c + (torch.lgamma(k_rows - j + 1) - torch.lgamma(k_rows - c_rows + 1))
+        # Outcomes beyond k get G = inf, hence weight 0.
+        g_rows = torch.where(in_range, g_rows - t * odds_shift, math.inf).to(dtype)
+        d_rows = torch.where(in_range, log_j_over_c - t * log_shift, 0.0).to(dtype)
+        # index_select of whole rows is several times faster than advanced indexing.
+        g = g_rows.index_select(0, rows).view(shape + (width,))
+        d = d_rows.index_select(0, rows).view(shape + (width,))
         steps = torch.arange(width, dtype=dtype, device=device)
-    k_float = k_event.to(dtype)
-    first_float = first.to(dtype)
-    start = log_factorials[k_event] + first_float * log_p + (k_float - first_float) * log1m_p
-    # Where p == 1 the window may hold only zero-probability outcomes (0 / 0 below, a NaN
-    # gradient even though the value is overwritten): give those coordinates a harmless
-    # stand-in, and log(p / (1-p)), huge there, too.
-    start = torch.where(is_certain, 0.0, start)
-    log_odds = torch.where(is_certain, 0.0, log_p - log1m_p)
-    log_pmf = torch.addcmul(start.unsqueeze(-1), steps, log_odds.unsqueeze(-1)) - g
-    pmf = log_pmf.exp()
-    # Normalising over the window cancels the rounding error that log k! (about 8e4 for
-    # k = 1e4) puts into every term alike; only the spread of log j! over the window
-    # then multiplies the per-term errors.
-    expected = torch.linalg.vecdot(pmf, log_factorial_j) / pmf.sum(-1)
-    return torch.where(is_certain, log_factorials[k_event], expected)
+        center_step = (center - first).to(accumulation)
+        center_float = center.to(accumulation)
+        log_c_factorial = log_c_factorial.squeeze(-1)[row_of_coordinate]
+        log_shift = log_shift.squeeze(-1)[row_of_coordinate]
+        odds_shift = odds_shift.squeeze(-1)[row_of_coordinate]
+    delta = log_p - log1m_p - odds_shift
+    # t delta = s delta - (c - first) delta with s = j - first the shared step.
+    log_weights = torch.addcmul(
+        (-center_step * delta).to(dtype).unsqueeze(-1), steps, delta.to(dtype).unsqueeze(-1)
+    )
+    weights = (log_weights - g).exp()
+    expected_d = torch.linalg.vecdot(weights, d) / weights.sum(-1)
+    # k p - c without cancellation where p is near 1: (k - c) - k (1 - p) there.
+    k_float = k_event.to(accumulation)
+    mean_minus_center = torch.where(
+        log_p > -math.log(2),
+        (k_float - center_float) - k_float * log1m_p.exp(),
+        k_float * log_p.exp() - center_float,
+    )
+    return log_c_factorial, mean_minus_center * log_shift + expected_d.to(accumulation)
 
 
 def _sample_counts(rate: torch.Tensor, k: torch.Tensor, sample_shape: torch.Size) -> torch.Tensor:
@@ -190,8 +305,10 @@ def _sample_counts(rate: torch.Tensor, k: torch.Tensor, sample_shape: torch.Size
         return rate.new_zeros(sample_shape + rate.shape)
     if k_max < SEQUENTIAL_BINOMIAL_MIN_K_PER_CATEGORY * n:
         # One multinomial call draws k_max categories for every (row, sample); the draws past
-        # a row's own k are masked out, which keeps them exact for per-row k.
-        draws = torch.multinomial(rate_rows, num_samples * k_max, replacement=True)
+        # a row's own k are masked out, which keeps them exact for per-row k. The rates over
+        # the largest, not the rates: their sum could overflow (float32 rates near 1e38).
+        weights = rate_rows / rate_rows.amax(-1, keepdim=True)
+        draws = torch.multinomial(weights, num_samples * k_max, replacement=True)
         draws = draws.view(rows, num_samples, k_max)
         if bool((k_rows == k_max).all()):
             weights = rate.new_ones(()).expand_as(draws)
@@ -201,22 +318,26 @@ def _sample_counts(rate: torch.Tensor, k: torch.Tensor, sample_shape: torch.Size
         counts = rate.new_zeros(rows, num_samples, n)
         counts.scatter_add_(-1, draws, weights)
     else:
-        counts = _sample_counts_sequentially(rate_rows, k_rows, num_samples)
+        counts = _sample_counts_sequentially(_log_probs_only(rate_rows), k_rows, num_samples)
+        counts = counts.to(rate.dtype)
     counts = counts.view(batch_shape + (num_samples, n)).movedim(-2, 0)
     return counts.reshape(sample_shape + rate.shape)
 
 
 def _sample_counts_sequentially(
-    rate_rows: torch.Tensor, k_rows: torch.Tensor, num_samples: int
+    log_p_rows: torch.Tensor, k_rows: torch.Tensor, num_samples: int
 ) -> torch.Tensor:
-    """``z_i ~ Binomial(k - z_1 - ... - z_{i-1}, rate_i / sum_{j >= i} rate_j)``, the last
-    coordinate taking the remainder: O(n) binomial draws per event, whatever k is."""
-    rows, n = rate_rows.shape
-    # Tail sums of the rates, not 1 - cumsum(p): no cancellation for the last categories.
-    tail = rate_rows.flip(-1).cumsum(-1).flip(-1)
-    conditional_p = (rate_rows / tail).clamp(0.0, 1.0).expand(num_samples, rows, n)
-    remaining = k_rows.to(rate_rows.dtype).expand(num_samples, rows).clone()
-    counts = rate_rows.new_zeros(num_samples, rows, n)
+    """``z_i ~ Binomial(k - z_1 - ... - z_{i-1}, p_i / sum_{j >= i} p_j)``, the last
+    coordinate taking the remainder: O(n) binomial draws per event, whatever k is. In
+    ``log_p_rows``' dtype (float64: exact counts up to 2**53)."""
+    rows, n = log_p_rows.shape
+    # Tail sums in log space, not 1 - cumsum(p): no cancellation for the last categories
+    # and no underflow of tiny ones.
+    log_tail = log_p_rows.flip(-1).logcumsumexp(-1).flip(-1)
+    conditional_p = (log_p_rows - log_tail).exp().clamp(0.0, 1.0)
+    conditional_p = conditional_p.expand(num_samples, rows, n)
+    remaining = k_rows.to(log_p_rows.dtype).expand(num_samples, rows).clone()
+    counts = log_p_rows.new_zeros(num_samples, rows, n)
     for i in range(n - 1):
         z_i = torch.binomial(remaining, conditional_p[..., i].contiguous())
         counts[..., i] = z_i
@@ -233,8 +354,8 @@ class _LogFactorialOfCounts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, counts: torch.Tensor, log_factorials: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(counts)
-        index = counts.clamp(0, log_factorials.shape[0] - 1).long()
-        return log_factorials[index]
+        # The caller guarantees 0 <= z <= len(table) - 1 (off-support rows are zeroed).
+        return log_factorials[counts.long()]
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -244,8 +365,8 @@ class _LogFactorialOfCounts(torch.autograd.Function):
 
 
 def _log_factorial_of_counts(counts: torch.Tensor, k_max: int) -> torch.Tensor:
-    """``log z!`` for counts ``z`` in ``0..k_max`` (anything else is only ever used where the
-    result is replaced by ``-inf``): a table lookup when the table is smaller than the
+    """``log z!`` for integer counts ``z`` in ``0..k_max`` (``log_prob`` zeroes the rows off
+    the support before calling this): a table lookup when the table is smaller than the
     input, else ``lgamma``; differentiable in ``z`` either way."""
     if k_max + 1 >= counts.numel():
         return torch.lgamma(counts + 1)
@@ -270,8 +391,17 @@ class ConditionedPoisson(TorchDistribution):
     marginal-expectation estimator through ``E[z] = k p`` (MATH.md section 4): the value is
     exactly integer and sums exactly to ``k``. ``marginals`` are ``Binomial(k, p_i)``.
 
+    Numerics: ``p`` is normalised in log space in float64 (rates from 1e-300 to 1e300
+    side by side are fine), and ``log_prob``, ``entropy``, ``mean``, ``variance``, KL and
+    ``log_constraint_prob`` accumulate in float64 before rounding to ``rate``'s dtype, so
+    that float32 results keep float32 relative accuracy at large ``k``. ``k`` and the
+    samples live in ``rate``'s dtype, which must hold every count exactly: ``k`` above
+    ``2**24`` (float32) or ``2**53`` (float64) is a ``ValueError``.
+
     :param rate: positive, finite Poisson rates, shape ``batch + (n,)``.
-    :param k: the known total, a non-negative integer (per batch element or shared).
+    :param k: the known total, a non-negative integer (per batch element or shared): a
+        Python int or an integer tensor; a floating tensor is accepted when its values are
+        integers (as for ``Binomial.total_count``), a Python float or a bool is not.
     """
 
     arg_constraints = {"rate": positive_finite, "k": constraints.nonnegative_integer}
@@ -294,9 +424,7 @@ class ConditionedPoisson(TorchDistribution):
             )
         if rate.shape[-1] < 1:
             raise ValueError("rate must have at least one category (rate.shape[-1] >= 1)")
-        if isinstance(k, bool) or (isinstance(k, torch.Tensor) and k.dtype == torch.bool):
-            raise ValueError("k must be a non-negative integer, got a boolean")
-        k = torch.as_tensor(k, device=rate.device)
+        k = _total_count_tensor(k, rate.device)
         try:
             batch_shape = torch.broadcast_shapes(rate.shape[:-1], k.shape)
         except RuntimeError as error:
@@ -304,9 +432,10 @@ class ConditionedPoisson(TorchDistribution):
                 f"k of shape {tuple(k.shape)} does not broadcast with the batch shape "
                 f"{tuple(rate.shape[:-1])} of rate (shape {tuple(rate.shape)})"
             ) from error
+        _check_k_is_exact(k, rate.dtype)
         event_shape = rate.shape[-1:]
         self.rate = rate.expand(batch_shape + event_shape)
-        # Stored in rate's dtype, as Binomial stores total_count.
+        # Stored in rate's dtype, as Binomial stores total_count (exact: checked above).
         self.k = k.to(rate.dtype).expand(batch_shape)
         super().__init__(batch_shape, event_shape, validate_args=validate_args)
 
@@ -328,10 +457,18 @@ class ConditionedPoisson(TorchDistribution):
     def support(self) -> constraints.Constraint:
         return _IntegerComposition(self.k)
 
+    def _log_probs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``log p`` and ``log(1 - p)`` in float64 (`_normalized_log_probs`)."""
+        return _normalized_log_probs(self.rate)
+
+    def _log_p(self) -> torch.Tensor:
+        """``log p`` in float64 (`_log_probs_only`)."""
+        return _log_probs_only(self.rate)
+
     @property
     def probs(self) -> torch.Tensor:
         """``p = rate / sum(rate)``, the multinomial probabilities."""
-        return self.rate / self.rate.sum(-1, keepdim=True)
+        return _probs_only(self.rate).to(self.rate.dtype)
 
     @property
     def _k_max(self) -> int:
@@ -343,12 +480,13 @@ class ConditionedPoisson(TorchDistribution):
 
     @property
     def mean(self) -> torch.Tensor:
-        return self.k.unsqueeze(-1) * self.probs
+        return (self.k.double().unsqueeze(-1) * _probs_only(self.rate)).to(self.rate.dtype)
 
     @property
     def variance(self) -> torch.Tensor:
-        p = self.probs
-        return self.k.unsqueeze(-1) * p * (1 - p)
+        # k p (1 - p) with 1 - p exact also where p rounds to 1.
+        log_p, log1m_p = self._log_probs()
+        return (self.k.double().unsqueeze(-1) * (log_p + log1m_p).exp()).to(self.rate.dtype)
 
     @property
     def marginals(self) -> Binomial:
@@ -359,39 +497,53 @@ class ConditionedPoisson(TorchDistribution):
     def log_constraint_prob(self) -> torch.Tensor:
         """``log P(sum_i z_i = k)`` under the unconstrained Poissons, ``log Poisson(k; sum(rate))``
         (the count likelihood of a bag of known total)."""
-        total = self.rate.sum(-1)
-        return self.k * total.log() - total - torch.lgamma(self.k + 1)
+        log_total = torch.logsumexp(self.rate.double().log(), -1)
+        k = self.k.double()
+        log_prob = torch.xlogy(k, log_total.exp()) - log_total.exp() - torch.lgamma(k + 1)
+        return log_prob.to(self.rate.dtype)
 
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
         """``log k! - sum_i log z_i! + sum_i z_i log p_i``; ``-inf`` off the support (or a
-        ``ValueError`` there with validation on). Differentiable in ``value`` too."""
-        value = torch.as_tensor(value, dtype=self.rate.dtype, device=self.rate.device)
+        ``ValueError`` there with validation on). Differentiable in ``value`` too.
+
+        The support check is exact whatever ``value``'s dtype (an int64 count above
+        ``2**24`` is not rounded into the support of a float32 distribution); the sum is
+        accumulated in float64 and returned in the promotion of ``rate``'s and a floating
+        ``value``'s dtypes (torch's type promotion).
+        """
+        value = torch.as_tensor(value, device=self.rate.device)
+        if value.is_floating_point():
+            dtype = torch.promote_types(self.rate.dtype, value.dtype)
+        else:
+            dtype = self.rate.dtype
         if value.shape[-1:] != self.event_shape:
             raise ValueError(
                 f"value of shape {tuple(value.shape)} does not end in the event shape "
                 f"{tuple(self.event_shape)} of ConditionedPoisson"
             )
-        in_support, is_nonnegative = _is_integer_composition(value, self.k)
+        in_support, _ = _is_integer_composition(value, self.k)
         all_in_support = bool(in_support.all())
         if self._validate_args and not all_in_support:
             raise ValueError(
                 "The value argument to ConditionedPoisson.log_prob must be vectors of "
                 f"integers >= 0 that sum to exactly k, got {value} with k = {self.k}"
             )
-        if not bool(is_nonnegative.all()):
+        if not all_in_support:
             # lgamma(z + 1) at a negative integer is inf and its derivative NaN: evaluate
-            # there at 0 instead (those entries get -inf below; where keeps the gradient of
-            # the others exact, unlike clamping, which halves it at 0).
-            value = torch.where(value >= 0, value, 0.0)
-        log_p = self.rate.log() - self.rate.sum(-1, keepdim=True).log()
+            # off the support at 0 instead (those entries get -inf below; where keeps the
+            # gradient of the others exact, unlike clamping, which halves it at 0).
+            value = torch.where(in_support.unsqueeze(-1), value, 0)
+        counts = value.to(torch.float64)
+        log_p = self._log_p()
+        k = self.k.double()
         log_prob = (
-            torch.lgamma(self.k + 1)
-            - _log_factorial_of_counts(value, self._k_max).sum(-1)
-            + torch.linalg.vecdot(value, log_p)
+            torch.lgamma(k + 1)
+            - _log_factorial_of_counts(counts, self._k_max).sum(-1)
+            + torch.linalg.vecdot(counts, log_p)
         )
         if not all_in_support:
             log_prob = torch.where(in_support, log_prob, -math.inf)
-        return log_prob
+        return log_prob.to(dtype)
 
     def sample(self, sample_shape=_EMPTY_SIZE) -> torch.Tensor:
         with torch.no_grad():
@@ -399,7 +551,8 @@ class ConditionedPoisson(TorchDistribution):
 
     def rsample(self, sample_shape=_EMPTY_SIZE) -> torch.Tensor:
         """An exact sample ``z`` returned as ``z + (m - m.detach())`` with ``m = k p``: the
-        value is exactly ``z``, the gradient that of the conditional mean."""
+        value is exactly ``z``, the gradient that of the conditional mean (zero, not absent,
+        where ``k = 0``)."""
         z = self.sample(sample_shape)
         m = self.mean.expand(z.shape)
         return z + (m - m.detach())
@@ -410,26 +563,65 @@ class ConditionedPoisson(TorchDistribution):
 
         The expectations sum only over binomial outcomes within a Bennett-inequality window
         around each mean; the dropped terms total at most ``0.01`` times the machine epsilon
-        of ``rate``'s dtype (absolute), see `entropy_log_inverse_tail`. ``log m!`` is computed in
-        ``rate``'s dtype. Cost O(n w) per batch element with ``w <= k + 1`` the window width
-        (about 20 for ``k = 100`` spread over ``n = 1000`` categories).
+        of ``rate``'s dtype (absolute), see `entropy_log_inverse_tail`. The O(n w) loop runs
+        in ``rate``'s dtype on quantities centred in float64 (`_expected_log_factorials`),
+        the O(n) sums in float64. Cost O(n w) per batch element with ``w <= k + 1`` the
+        window width (about 20 for ``k = 100`` spread over ``n = 1000`` categories).
         """
-        p, log_p, _ = _log_p_and_log1m_p(self.rate)
-        k = self._k_long
-        expected_log_factorials = _expected_log_factorials(self.rate, k).sum(-1)
-        return expected_log_factorials - torch.lgamma(self.k + 1) - self.k * (p * log_p).sum(-1)
+        dtype = self.rate.dtype
+        log_p, log1m_p = self._log_probs()
+        if self.event_shape[0] == 1:
+            # A single category: z = k surely. 0 with a zero gradient.
+            return (log_p.sum(-1) * self.k).to(dtype)
+        k = self.k.double()
+        log_c_factorial, correction = _expected_log_factorials(log_p, log1m_p, self._k_long, dtype)
+        cross_entropy = k * (log_p.exp() * log_p).sum(-1)
+        # Grouped so that a near-certain outcome (entropy 1e-28 beside log k! = 8.5, say)
+        # keeps its relative accuracy: the log-factorials cancel exactly there.
+        log_factorials = log_c_factorial.sum(-1) - torch.lgamma(k + 1)
+        entropy = log_factorials + (correction.sum(-1) - cross_entropy)
+        return entropy.to(dtype)
+
+
+def _total_count_tensor(k: int | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``k`` as a tensor, refusing what cannot be a count whatever its value."""
+    if isinstance(k, bool) or (isinstance(k, torch.Tensor) and k.dtype == torch.bool):
+        raise ValueError("k must be a non-negative integer, got a boolean")
+    if isinstance(k, float):
+        raise ValueError(
+            f"k must be an integer (a Python int or an integer tensor), got the float {k!r}"
+        )
+    k = torch.as_tensor(k, device=device)
+    if k.dtype == torch.bool or k.is_complex():
+        raise ValueError(f"k must be an integer tensor, got dtype {k.dtype}")
+    return k
+
+
+def _check_k_is_exact(k: torch.Tensor, dtype: torch.dtype) -> None:
+    """``ValueError`` when ``k`` exceeds the integers that ``dtype`` (and a floating ``k``'s
+    own dtype) hold exactly; NaN and negative ``k`` are left to the validation of ``k``."""
+    if k.numel() == 0:
+        return
+    largest = k.max()
+    if k.is_floating_point():
+        if not bool(torch.isfinite(largest)):
+            return
+        check_total_in_exact_range(int(largest), str(k.dtype), argument="k")
+    check_total_in_exact_range(int(largest), str(dtype), argument="k")
 
 
 @register_kl(ConditionedPoisson, ConditionedPoisson)
 def _kl_conditioned_poisson(p: ConditionedPoisson, q: ConditionedPoisson) -> torch.Tensor:
-    """``KL(p || q) = k sum_i p_i log(p_i / q_i)`` for two with the same ``k`` and ``n``."""
+    """``KL(p || q) = k sum_i p_i log(p_i / q_i)`` for two with the same ``k`` and ``n``, in
+    the promotion of their dtypes."""
     if p.event_shape != q.event_shape:
         raise ValueError(
             f"KL between ConditionedPoisson needs the same number of categories, got "
             f"{p.event_shape[0]} and {q.event_shape[0]}"
         )
-    if not torch.equal(*torch.broadcast_tensors(p.k, q.k)):
+    if not torch.equal(*torch.broadcast_tensors(p.k.double(), q.k.double())):
         raise ValueError("KL between ConditionedPoisson needs the same k")
-    _, log_p, _ = _log_p_and_log1m_p(p.rate)
-    _, log_q, _ = _log_p_and_log1m_p(q.rate)
-    return p.k * (p.probs * (log_p - log_q)).sum(-1)
+    log_p = p._log_p()
+    log_q = q._log_p()
+    kl = p.k.double() * (log_p.exp() * (log_p - log_q)).sum(-1)
+    return kl.to(torch.promote_types(p.rate.dtype, q.rate.dtype))

@@ -7,9 +7,10 @@ conditional distribution, with no multinomial formula in it).
 """
 
 import itertools
+import math
 
 import numpy as np
-from scipy import stats
+from scipy import special, stats
 
 
 def compositions(n: int, k: int) -> np.ndarray:
@@ -124,3 +125,105 @@ def mean_jacobian(rate, k) -> np.ndarray:
     n = rate.shape[-1]
     k = np.asarray(k, dtype=np.float64)[..., None, None]
     return k * (np.eye(n) / total - rate[..., :, None] / total**2)
+
+
+# Extended-precision and O(nk) references (for the property tests) ---------------------------
+# mpmath at 60 significant digits works from the rates themselves, so rates from 1e-30 to
+# 1e30 side by side (and their sum) lose nothing; nothing here uses the library's formulas
+# for normalising p in log space.
+
+MPMATH_DIGITS = 60
+
+
+def _mp_probs(rate) -> list:
+    import mpmath
+
+    rate = [mpmath.mpf(float(r)) for r in np.asarray(rate, dtype=np.float64)]
+    total = mpmath.fsum(rate)
+    return [r / total for r in rate]
+
+
+def mp_log_probs_and_complements(rate) -> tuple[np.ndarray, np.ndarray]:
+    """``log p_i`` and ``log(1 - p_i)`` (``1 - p_i`` as the sum of the other rates over the
+    total, so no cancellation), at 60 digits, rounded to float64."""
+    import mpmath
+
+    with mpmath.workdps(MPMATH_DIGITS):
+        rate_mp = [mpmath.mpf(float(r)) for r in np.asarray(rate, dtype=np.float64)]
+        total = mpmath.fsum(rate_mp)
+        log_p = [mpmath.log(r / total) for r in rate_mp]
+        log1m_p = [
+            mpmath.log(mpmath.fsum(rate_mp[:i] + rate_mp[i + 1 :]) / total)
+            if len(rate_mp) > 1
+            else mpmath.mpf("-inf")
+            for i in range(len(rate_mp))
+        ]
+        return np.array([float(x) for x in log_p]), np.array([float(x) for x in log1m_p])
+
+
+def mp_multinomial_logpmf(rate, k: int, value) -> float:
+    """``log k! - sum log z_i! + sum z_i log p_i`` at 60 digits (``-inf`` off the support)."""
+    import mpmath
+
+    value = [int(v) for v in np.asarray(value)]
+    if min(value) < 0 or sum(value) != k:
+        return -math.inf
+    with mpmath.workdps(MPMATH_DIGITS):
+        probs = _mp_probs(rate)
+        log_pmf = mpmath.loggamma(k + 1) - mpmath.fsum(mpmath.loggamma(z + 1) for z in value)
+        log_pmf += mpmath.fsum(z * mpmath.log(p) for z, p in zip(value, probs, strict=True) if z)
+        return float(log_pmf)
+
+
+def mp_enumerated_log_pmf(rate, k: int) -> tuple[np.ndarray, list]:
+    """``(compositions, log pmf)`` by the definition: the product of the unconstrained
+    Poisson pmfs over every composition of ``k``, normalised, at 60 digits (mpmath values)."""
+    import mpmath
+
+    support = compositions(len(rate), k)
+    with mpmath.workdps(MPMATH_DIGITS):
+        rate_mp = [mpmath.mpf(float(r)) for r in np.asarray(rate, dtype=np.float64)]
+        # prod_i Poisson(z_i; r_i) = exp(-sum r) prod_i r_i^z_i / z_i!: the factor exp(-sum r)
+        # is the same for every composition and cancels in the normalisation, so it is left
+        # out (at 1e30 it would cost 30 of the 60 digits).
+        log_weights = [
+            mpmath.fsum(
+                z * mpmath.log(r) - mpmath.loggamma(z + 1)
+                for z, r in zip(row, rate_mp, strict=True)
+            )
+            for row in support.tolist()
+        ]
+        log_normaliser = mpmath.log(mpmath.fsum(mpmath.exp(w) for w in log_weights))
+        return support, [w - log_normaliser for w in log_weights]
+
+
+def mp_enumerated_entropy(rate, k: int) -> float:
+    import mpmath
+
+    _, log_pmf = mp_enumerated_log_pmf(rate, k)
+    with mpmath.workdps(MPMATH_DIGITS):
+        return float(-mpmath.fsum(mpmath.exp(w) * w for w in log_pmf))
+
+
+def mp_enumerated_kl(rate_p, rate_q, k: int) -> float:
+    import mpmath
+
+    _, log_p = mp_enumerated_log_pmf(rate_p, k)
+    _, log_q = mp_enumerated_log_pmf(rate_q, k)
+    with mpmath.workdps(MPMATH_DIGITS):
+        return float(
+            mpmath.fsum(mpmath.exp(a) * (a - b) for a, b in zip(log_p, log_q, strict=True))
+        )
+
+
+def binomial_sum_entropy(rate, k: int) -> float:
+    """``H = -log k! - k sum_i p_i log p_i + sum_i E[log z_i!]`` with every ``E[log z_i!]``
+    summed over all ``k + 1`` outcomes of SciPy's ``Binomial(k, p_i)`` pmf: O(nk), float64,
+    with ``p`` and ``log p`` from `mp_log_probs_and_complements`. Its own rounding error is
+    about ``1e-16 log k!`` (absolute)."""
+    log_p, _ = mp_log_probs_and_complements(rate)
+    p = np.exp(log_p)
+    outcomes = np.arange(k + 1)
+    log_factorials = special.gammaln(outcomes + 1.0)
+    expected = sum(float(stats.binom.pmf(outcomes, k, p_i) @ log_factorials) for p_i in p)
+    return expected - float(special.gammaln(k + 1.0)) - k * float(np.sum(p * log_p))
