@@ -19,6 +19,7 @@ computed from those rounded values, so that every test compares the same problem
 
 from __future__ import annotations
 
+import math
 from fractions import Fraction
 from types import SimpleNamespace
 
@@ -365,3 +366,134 @@ def test_jax_matches_the_references_and_agrees_with_torch(drawn, seed, dtype_nam
     assert np.max(np.abs(torch_z - jax_z) / size) <= 2 * moment_tolerance
     torch_log_prob = torch_dist.log_prob(torch.tensor(jax_z)).numpy()
     assert np.all(np.abs(torch_log_prob - jax_values["log_prob"]) <= 2 * tolerance)
+
+
+# --- bad input and mixed dtypes (plain tests) ---------------------------------------------
+
+FRAMEWORKS = {
+    "torch": (pyro_constrained.LinearConstrainedNormal, lambda x: torch.tensor(x)),
+    "jax": (numpyro_constrained.LinearConstrainedNormal, lambda x: jnp.asarray(x)),
+}
+VALID = {"loc": [0.0, 1.0, 2.0], "scale": [1.0, 2.0, 0.5], "A": [[1.0, 1.0, 0.0]], "k": [1.0]}
+FULL = [[1.0, 0.2, 0.0], [0.2, 1.0, 0.1], [0.0, 0.1, 1.0]]
+TRIL = np.linalg.cholesky(FULL).tolist()
+
+
+def _with(name: str, value) -> dict:
+    """``VALID`` with one argument replaced (a covariance argument replaces ``scale``)."""
+    kwargs = dict(VALID)
+    if name in ("covariance_matrix", "scale_tril"):
+        del kwargs["scale"]
+    kwargs[name] = value
+    return kwargs
+
+
+def _poison(matrix, value) -> list:
+    """``matrix`` with one off-diagonal pair (or one entry) replaced by ``value``."""
+    poisoned = np.array(matrix, dtype=np.float64)
+    if poisoned.ndim == 2 and poisoned.shape[0] == poisoned.shape[1]:
+        poisoned[1, 0] = value
+        if not np.allclose(np.tril(matrix), matrix):  # symmetric: keep it symmetric
+            poisoned[0, 1] = value
+    else:
+        poisoned.flat[1 if poisoned.size > 1 else 0] = value
+    return poisoned.tolist()
+
+
+NON_FINITE = [
+    (name, _with(name, _poison(base, value)))
+    for name, base in (
+        ("loc", VALID["loc"]),
+        ("scale", VALID["scale"]),
+        ("covariance_matrix", FULL),
+        ("scale_tril", TRIL),
+        ("A", VALID["A"]),
+        ("k", VALID["k"]),
+    )
+    for value in (math.inf, -math.inf, math.nan)
+]
+INVALID = [
+    ("scale", _with("scale", [1.0, 0.0, 1.0])),
+    ("scale", _with("scale", [1.0, -2.0, 1.0])),
+    ("covariance_matrix", _with("covariance_matrix", [[1.0, 2.0, 0], [2.0, 1.0, 0], [0, 0, 1.0]])),
+    ("covariance_matrix", _with("covariance_matrix", [[1.0, 1.0, 0], [1.0, 1.0, 0], [0, 0, 1.0]])),
+    ("scale_tril", _with("scale_tril", [[1.0, 0, 0], [0.5, -1.0, 0], [0, 0, 1.0]])),
+    ("scale_tril", _with("scale_tril", [[1.0, 1.0, 0], [0, 1.0, 0], [0, 0, 1.0]])),
+    ("rank", {**VALID, "A": [[1.0, 2.0, 3.0], [2.0, 4.0, 6.0]], "k": [0.0, 0.0]}),
+    ("rows", _with("A", np.eye(3).tolist())),
+    ("columns", _with("A", [[1.0, 1.0, 1.0, 1.0]])),
+    ("A must have shape", _with("A", [1.0, 1.0, 1.0])),
+    ("k must have shape", _with("k", [0.0, 1.0])),
+    ("scale", _with("scale", [1.0, 1.0])),
+    ("covariance_matrix", _with("covariance_matrix", np.eye(4).tolist())),
+    ("broadcast", {**VALID, "loc": np.zeros((2, 3)).tolist(), "k": np.zeros((3, 1)).tolist()}),
+]
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize(("name", "kwargs"), NON_FINITE + INVALID)
+def test_bad_input_raises_a_value_error_naming_the_argument(framework, name, kwargs):
+    cls, array = FRAMEWORKS[framework]
+    arguments = {key: array(np.asarray(value, dtype=np.float64)) for key, value in kwargs.items()}
+    with pytest.raises(ValueError, match=name):
+        cls(**arguments)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("covariance", ["scale", "covariance_matrix", "scale_tril"])
+def test_validation_off_works_on_valid_input(framework, covariance):
+    cls, array = FRAMEWORKS[framework]
+    kwargs = {"scale": VALID, "covariance_matrix": _with("covariance_matrix", FULL)}.get(
+        covariance, _with("scale_tril", TRIL)
+    )
+    arguments = {key: array(np.asarray(value)) for key, value in kwargs.items()}
+    dist = cls(**arguments, validate_args=False)
+    z = dist.sample((3,)) if framework == "torch" else dist.sample(jax.random.PRNGKey(0), (3,))
+    for value in (dist.log_prob(z), dist.mean, dist.variance, dist.entropy()):
+        assert np.all(np.isfinite(np.asarray(value)))
+
+
+def _dtype_name(value) -> str:
+    return str(value.dtype).removeprefix("torch.")
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("covariance", ["scale", "scale_tril"])
+@pytest.mark.parametrize("validate_args", [True, False])
+def test_mixed_float_dtypes_are_promoted(framework, covariance, validate_args):
+    cls, _ = FRAMEWORKS[framework]
+
+    def array(value, dtype_name):
+        value = np.asarray(value, dtype=dtype_name)
+        return torch.tensor(value) if framework == "torch" else jnp.asarray(value)
+
+    factor = {covariance: array(VALID["scale"] if covariance == "scale" else TRIL, "float32")}
+    loc32, A32, k32 = (array(VALID[name], "float32") for name in ("loc", "A", "k"))
+    # Parameters: float32 with one float64 argument promote to float64, as the frameworks'
+    # own arithmetic would; a Python number takes no part.
+    for mixed in (
+        {"loc": array(VALID["loc"], "float64")},
+        {"A": array(VALID["A"], "float64")},
+        {"k": array(VALID["k"], "float64")},
+    ):
+        kwargs = {"loc": loc32, **factor, "A": A32, "k": k32, **mixed}
+        dist = cls(**kwargs, validate_args=validate_args)
+        assert _dtype_name(dist.mean) == "float64"
+    dist = cls(loc32, **factor, A=A32, k=1.0, validate_args=validate_args)
+    assert _dtype_name(dist.mean) == "float32"
+    # A float64 value of a float32 distribution: the result is float64 and equals the
+    # float32 computation to float32 precision.
+    value64 = np.asarray(dist.mean, dtype=np.float64) + np.array([1.0, -1.0, 0.0]) * 0.25
+    value32 = value64.astype(np.float32)
+    if framework == "torch":
+        log_prob64, log_prob32 = (
+            dist.log_prob(torch.tensor(value64)),
+            dist.log_prob(torch.tensor(value32)),
+        )
+    else:
+        log_prob64, log_prob32 = (
+            dist.log_prob(jnp.asarray(value64)),
+            dist.log_prob(jnp.asarray(value32)),
+        )
+    assert _dtype_name(log_prob64) == "float64" and _dtype_name(log_prob32) == "float32"
+    np.testing.assert_allclose(np.asarray(log_prob64), np.asarray(log_prob32), rtol=1e-5)
