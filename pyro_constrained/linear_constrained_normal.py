@@ -447,14 +447,18 @@ class LinearConstrainedNormal(TorchDistribution):
             return self._basis_t * self.scale.unsqueeze(-2)
         return self._basis_t @ self.scale_tril.mT
 
-    def _refine(self, z: torch.Tensor) -> torch.Tensor:
+    def _refine(self, z: torch.Tensor, in_place: bool = False) -> torch.Tensor:
         """``z + K (k - A z)`` with ``K = L Q R^{-T}``: the Sigma^{-1}-orthogonal projection
-        onto ``{A z = k}``; Q is read once (it is (batch, a, n) when the scale is batched)."""
+        onto ``{A z = k}``; Q is read once (it is (batch, a, n) when the scale is batched).
+        ``in_place`` writes the result into ``z`` (same kernel, same result)."""
         coefficients = _rows_times(self._r_inv_t, self.k - _rows_times(self.A, z))
         direction = _combine_rows(coefficients, self._basis_t)
-        if self._diagonal:
-            return torch.addcmul(z, self.scale, direction)
-        return z + _rows_times(self.scale_tril, direction)
+        if not self._diagonal:
+            direction = _rows_times(self.scale_tril, direction)
+            return z.add_(direction) if in_place else z + direction
+        if in_place:
+            return z.addcmul_(self.scale, direction)
+        return torch.addcmul(z, self.scale, direction)
 
     @lazy_property
     def scale_tril(self) -> torch.Tensor:
@@ -567,21 +571,31 @@ class LinearConstrainedNormal(TorchDistribution):
     def _matheron_sample(self, sample_shape: torch.Size) -> torch.Tensor:
         shape = self._extended_shape(sample_shape)
         noise = _standard_normal(shape, dtype=self.loc.dtype, device=self.loc.device)
-        return self._matheron_from_noise(noise)
+        return self._matheron_from_noise(noise, overwrite_noise=True)
 
-    def _matheron_from_noise(self, noise: torch.Tensor) -> torch.Tensor:
+    def _matheron_from_noise(
+        self, noise: torch.Tensor, overwrite_noise: bool = False
+    ) -> torch.Tensor:
         """Matheron's rule applied to standard normal ``noise`` of shape (..., n), in whitened
         form: ``z = mu_bar + L (noise - Q Q^T noise)``, then one refinement step.
 
         The projection is orthogonal, hence accurate however ill-conditioned ``A L`` is; the
         refinement step removes what rounding left of ``A z - k`` (see the class docstring).
+        Without autograd, and when ``overwrite_noise`` says ``noise`` (of the full shape) is
+        ours, the result is written into ``noise`` with the same kernels, hence bit for bit
+        the same: sampling is memory-bound, and every (sample, batch, n) buffer it does not
+        allocate brings it closer to the cost of an unconstrained sample.
         """
-        projected = noise - _combine_rows(_rows_times(self._basis_t, noise), self._basis_t)
+        in_place = overwrite_noise and not torch.is_grad_enabled()
+        removed = _combine_rows(_rows_times(self._basis_t, noise), self._basis_t)
+        projected = noise.sub_(removed) if in_place else noise - removed
         if self._diagonal:
-            z = torch.addcmul(self._mean, self.scale, projected)
+            z = torch.addcmul(
+                self._mean, self.scale, projected, out=projected if in_place else None
+            )
         else:
             z = self._mean + _rows_times(self.scale_tril, projected)
-        return self._refine(z)
+        return self._refine(z, in_place=in_place)
 
     def rsample(self, sample_shape: tuple[int, ...] = ()) -> torch.Tensor:
         """An exact sample; its gradient is the one chosen by ``grad_estimator``."""
