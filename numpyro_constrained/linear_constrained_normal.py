@@ -66,6 +66,18 @@ def _on_subspace(value: jax.Array, A: jax.Array, k: jax.Array) -> jax.Array:
     return jnp.all(jnp.abs(residual) <= tolerance * bound, axis=-1)
 
 
+def _after(value: jax.Array, *earlier: jax.Array) -> jax.Array:
+    """``value``, made to depend on ``earlier`` (NaN if their first entries are NaN).
+
+    XLA's CPU runtime runs independent LAPACK calls (QR, triangular solves) at the same
+    time, and a batched LAPACK call blocks its thread while it spreads its batch over the
+    same thread pool: two of them at once on a small pool deadlock (measured: a (256, 1000)
+    scale with a = 10 hung every time on two cores). A data dependency orders them; an
+    optimization barrier does not (its outputs alias its inputs)."""
+    marker = sum(jnp.ravel(array)[0] for array in earlier)
+    return jnp.where(jnp.isnan(marker), jnp.nan, value)
+
+
 def _row_sorted_qr(tall: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Reduced QR ``tall = Q R`` of an (..., n, a) matrix, n >= a, with Householder
     reflections applied to the rows sorted by decreasing norm.
@@ -89,6 +101,7 @@ def _min_norm_point_and_basis(A: jax.Array, k: jax.Array) -> tuple[jax.Array, ja
     and an orthonormal basis of null(A), from the complete QR factorisation of ``A^T``."""
     num_rows = A.shape[-2]
     q, r = jnp.linalg.qr(jnp.swapaxes(A, -1, -2), mode="complete")
+    r = _after(r, q)  # the solve below runs after the QR's last LAPACK call
     # A^T = Q1 R1, so z0 = A^T (A A^T)^{-1} k = Q1 R1^{-T} k.
     r1_t = jnp.swapaxes(r[..., :num_rows, :], -1, -2)
     batch = jnp.broadcast_shapes(r1_t.shape[:-2], k.shape[:-1])
@@ -273,7 +286,13 @@ def _precompute(
         whitened_t = jnp.swapaxes(factor, -1, -2) @ jnp.swapaxes(A, -1, -2)
         log_det_sigma_half = jnp.sum(jnp.log(jnp.diagonal(factor, axis1=-2, axis2=-1)), -1)
         prior_variance = jnp.sum(jnp.square(factor), -1)
-    basis, r_factor = _row_sorted_qr(whitened_t)
+    # A^T = Q' R': det(A A^T) = det(R')^2, and R' has the singular values of A (a x a,
+    # without an n x n factor).
+    r_of_a = jnp.linalg.qr(jnp.swapaxes(A, -1, -2), mode="r")
+    singular_values = jnp.linalg.svd(r_of_a, compute_uv=False)
+    # One LAPACK call at a time (see _after).
+    basis, r_factor = _row_sorted_qr(_after(whitened_t, singular_values))
+    r_factor = _after(r_factor, basis)
     basis_t = jnp.swapaxes(basis, -1, -2)  # Q^T, (..., a, n): orthonormal rows
     # R^{-T} (..., a, a), so that K r = L Q (R^{-T} r) costs one pass over Q. An explicit
     # triangular inverse is as accurate here as a substitution, and a small matrix product
@@ -282,9 +301,6 @@ def _precompute(
     r_inv_t = jnp.swapaxes(
         jax.scipy.linalg.solve_triangular(r_factor, identity, lower=False), -1, -2
     )
-    # A^T = Q' R': det(A A^T) = det(R')^2, and R' has the singular values of A (a x a,
-    # without an n x n factor).
-    r_of_a = jnp.linalg.qr(jnp.swapaxes(A, -1, -2), mode="r")
     num_rows, n = A.shape[-2:]
     # mu_bar is the Sigma^{-1}-orthogonal projection of loc onto the subspace: one step from
     # loc, then one of refinement.
@@ -293,7 +309,7 @@ def _precompute(
     )
     mean = refine(refine(loc))
     return {
-        "singular_values": jnp.linalg.svd(r_of_a, compute_uv=False),
+        "singular_values": singular_values,
         "_basis_t": basis_t,
         "_r_inv_t": r_inv_t,
         "_prior_variance": prior_variance,
@@ -822,9 +838,25 @@ def _kl_linear_constrained_normal(
                 lower=True,
             )
 
-        trace = jnp.sum(jnp.square(whiten(p.scale_tril)), (-2, -1)) - jnp.sum(
-            jnp.square(whiten(jnp.swapaxes(p_factor_basis_t, -1, -2))), (-2, -1)
+        # One triangular solve for the three right-hand sides: independent batched solves
+        # may run at once and deadlock (see _after).
+        p_tril = jnp.broadcast_to(
+            p.scale_tril, p_factor_basis_t.shape[:-2] + p.scale_tril.shape[-2:]
         )
-        maha = jnp.sum(jnp.square(whiten(mean_diff[..., None])[..., 0]), -1)
+        right = jnp.broadcast_shapes(p_tril.shape[:-2], mean_diff.shape[:-1])
+        columns = [
+            jnp.broadcast_to(p_tril, right + p_tril.shape[-2:]),
+            jnp.broadcast_to(
+                jnp.swapaxes(p_factor_basis_t, -1, -2),
+                right + p_factor_basis_t.shape[-1:] + p_factor_basis_t.shape[-2:-1],
+            ),
+            jnp.broadcast_to(mean_diff[..., None], right + mean_diff.shape[-1:] + (1,)),
+        ]
+        whitened = whiten(jnp.concatenate(columns, -1))
+        n = p_tril.shape[-1]
+        trace = jnp.sum(jnp.square(whitened[..., :n]), (-2, -1)) - jnp.sum(
+            jnp.square(whitened[..., n:-1]), (-2, -1)
+        )
+        maha = jnp.sum(jnp.square(whitened[..., -1]), -1)
     cross_entropy = 0.5 * (trace + maha) - q._log_normalizer
     return cross_entropy - p.entropy()
