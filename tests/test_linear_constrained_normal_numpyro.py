@@ -378,3 +378,30 @@ def test_bad_input_raises_a_value_error_naming_the_problem(overrides, message):
     }
     with pytest.raises(ValueError, match=message):
         LinearConstrainedNormal(**kwargs)
+
+
+def test_batched_construction_does_not_deadlock_xla_cpu_pool():
+    """A batched scale makes the whitened QR and the triangular solve batched LAPACK calls;
+    run at the same time they deadlocked XLA's CPU thread pool (every time, on two cores).
+    In a subprocess with a time limit, so that a regression fails instead of hanging."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import jax, jax.numpy as jnp
+        from numpyro_constrained import LinearConstrainedNormal
+        keys = jax.random.split(jax.random.PRNGKey(0), 4)
+        loc = jax.random.normal(keys[0], (256, 1000), dtype=jnp.float32)
+        scale = jax.random.uniform(keys[1], (256, 1000), dtype=jnp.float32) + 0.5
+        A = jax.random.normal(keys[2], (10, 1000), dtype=jnp.float32)
+        d = LinearConstrainedNormal(loc, scale, A=A, k=jnp.zeros(10, jnp.float32))
+        d.sample(keys[3]).block_until_ready()
+        print("done")
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0 and "done" in result.stdout, result.stderr[-2000:]
