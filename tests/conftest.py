@@ -23,13 +23,16 @@ jax.config.update("jax_enable_x64", True)
 # with pytest-xdist workers and slows tiny kernels by orders of magnitude.
 torch.set_num_threads(1)
 
-# Derandomized in CI so that a red run is reproducible; the thorough profile explores.
+# Derandomized and without the example database in CI, so that every run (a fresh clone or
+# a developer's checkout) tries the same examples and a red run is reproducible; the
+# thorough profile explores and remembers failures.
 _SLOW_EXAMPLES = [HealthCheck.too_slow, HealthCheck.data_too_large]
 settings.register_profile(
     "ci",
     max_examples=40,
     deadline=None,
     derandomize=True,
+    database=None,
     print_blob=True,
     suppress_health_check=_SLOW_EXAMPLES,
 )

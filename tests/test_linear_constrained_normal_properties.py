@@ -265,7 +265,14 @@ def test_log_prob_matches_scipy_and_the_null_space_density(drawn, seed, dtype_na
         scipy_log_prob = scipy.stats.multivariate_normal(
             reference.mean, reference.covariance, allow_singular=True
         ).logpdf(_project(samples.numpy(), scale, A, k))
-        assert np.all(np.abs(log_prob - scipy_log_prob) <= scipy_tolerance)
+        # SciPy also decides, from its float64 eigenvalues, whether a point is on the
+        # support: with an ill-conditioned A (cond ~ 1e3) it can put a projected point
+        # outside (-inf) that the 40-digit reference above accepted. Compare where it did not.
+        on_support = np.isfinite(scipy_log_prob)
+        if condition < 100:
+            assert np.all(on_support)
+        difference = np.abs(log_prob - scipy_log_prob)[on_support]
+        assert np.all(difference <= scipy_tolerance[on_support])
 
 
 def _project(z, scale, A, k):
