@@ -216,7 +216,7 @@ class ExactlyKBernoulli(Distribution):
         """mu_i = P(z_i = 1 | sum z = k), differentiable in the logits."""
         problem = self._problem
         free_mu = kernels.marginals(problem.logits, problem.k, self._k_max)
-        return _complete_pair(free_mu, 1.0 - free_mu, self.logits, problem)[0]
+        return _complete_marginals(free_mu, self.logits, problem)
 
     @property
     def mean(self) -> jax.Array:
@@ -407,6 +407,11 @@ def _complete(free, logits, problem: _FreeProblem, forced_on, forced_off, none_l
     value = jnp.where(free_mask, value, jnp.where(logits == jnp.inf, forced_on, forced_off))
     value = jnp.where(problem.infeasible[..., None], jnp.nan, value)
     return value.astype(logits.dtype)
+
+
+@jax.jit
+def _complete_marginals(free_mu, logits, problem: _FreeProblem):
+    return _complete(free_mu, logits, problem, 1.0, 0.0, 0.0)
 
 
 @jax.jit

@@ -271,10 +271,14 @@ class ExactlyKBernoulli(TorchDistribution):
         ranks = torch.empty_like(order).scatter_(-1, order, positions)
         return (ranks < self.k[..., None]).to(self.logits.dtype)
 
+    def _respects_infinite_logits(self, value: torch.Tensor) -> torch.Tensor:
+        """Per event: no 1 where the logit is -inf and no 0 where it is +inf."""
+        on = value == 1
+        return ~((on & (self.logits == -torch.inf)) | (~on & self._forced_on)).any(-1)
+
     def _validate_sample(self, value: torch.Tensor) -> None:
         super()._validate_sample(value)
-        on = value == 1
-        if ((on & (self.logits == -torch.inf)) | (~on & self._forced_on)).any():
+        if not self._respects_infinite_logits(value).all():
             raise ValueError(
                 "ExactlyKBernoulli.log_prob: value puts a 1 where the logit is -inf (probs = 0) "
                 "or a 0 where it is +inf (probs = 1): it is outside the support"
@@ -289,10 +293,7 @@ class ExactlyKBernoulli(TorchDistribution):
         the dtype's precision for logits of any size; the gradient is that of the formula."""
         if self._validate_args:
             self._validate_sample(value)
-        on = value == 1
-        possible = self.support.check(value)
-        possible = possible & ~(on & (self.logits == -torch.inf)).any(-1)
-        possible = possible & ~(~on & self._forced_on).any(-1)
+        possible = self.support.check(value) & self._respects_infinite_logits(value)
         possible = possible & ~self._infeasible
         dtype = torch.promote_types(self.logits.dtype, value.dtype)
         exact = kernels.log_prob_value(self._kernel_logits, self._normalizer_parts, value)
