@@ -1,0 +1,96 @@
+"""Framework-free checks of the arguments every class shares: integer counts ``k`` and the
+shapes of values given to ``log_prob``.
+
+One rule for counts in both packages (``ExactlyKBernoulli.k``, ``ConditionedPoisson.k``,
+and their ``k_max``), the rule of ``torch.distributions.Binomial.total_count`` and
+NumPyro's ``Binomial``: a Python int, an integer array, or a floating value (Python float
+or array) whose entries are whole numbers. ``3.0`` is the count 3; ``3.5``, a bool, a
+complex number or NaN is a ``ValueError`` whatever ``validate_args`` says, because no
+count is meant. The range ``0 <= k <= bound`` is the distributions' own validation.
+"""
+
+from __future__ import annotations
+
+from numbers import Integral, Real
+
+import numpy as np
+
+__all__ = ["check_count", "check_static_bound", "check_value_shape"]
+
+
+def _dtype_kind(k) -> str | None:
+    dtype = getattr(k, "dtype", None)
+    if dtype is None:
+        return None
+    # torch dtypes print as "torch.float32"; bfloat16 is not a NumPy dtype.
+    dtype_name = str(dtype).rsplit(".", 1)[-1]
+    return "f" if dtype_name == "bfloat16" else np.dtype(dtype_name).kind
+
+
+def check_count(k, *, concrete: bool, name: str = "k") -> None:
+    """``ValueError`` unless ``k`` is a count: an int, an integer array, or a floating value
+    with whole-number entries (checked only where ``concrete``; a traced ``k`` is checked
+    for its dtype alone)."""
+    if isinstance(k, bool | np.bool_):
+        raise ValueError(f"{name} must be a non-negative integer, got the boolean {k!r}")
+    if isinstance(k, Integral):
+        return
+    if isinstance(k, Real) and not hasattr(k, "dtype"):
+        if not float(k).is_integer():
+            raise ValueError(f"{name} must be a whole number, got {k!r}")
+        return
+    kind = _dtype_kind(k)
+    if kind is None:
+        raise ValueError(f"{name} must be an int or an integer array, got {type(k).__name__}")
+    if kind == "b":
+        raise ValueError(f"{name} must be an integer array, got a boolean array")
+    if kind not in "iuf":
+        raise ValueError(f"{name} must be an integer array, got dtype {k.dtype}")
+    if kind == "f" and concrete:
+        if hasattr(k, "detach"):  # a torch tensor, possibly on a GPU or requiring grad
+            k = k.detach().cpu()
+        values = np.asarray(k, dtype=np.float64)
+        whole = np.isfinite(values) & (values == np.floor(values))
+        if not np.all(whole):
+            bad = np.unique(values[~whole])[:5].tolist()
+            raise ValueError(f"{name} must hold whole numbers, got {bad}")
+
+
+def check_static_bound(k_max, *, name: str = "k_max") -> int | None:
+    """``k_max`` as a Python int (or None): a static bound, so a Python or NumPy integer
+    (or a whole-number float), never an array that could be traced."""
+    if k_max is None:
+        return None
+    if isinstance(k_max, bool | np.bool_) or not isinstance(k_max, Integral | float):
+        raise ValueError(f"{name} must be a Python int, got {k_max!r}")
+    if isinstance(k_max, float) and not k_max.is_integer():
+        raise ValueError(f"{name} must be a whole number, got {k_max!r}")
+    if k_max < 0:
+        raise ValueError(f"{name} must be non-negative, got {k_max!r}")
+    return int(k_max)
+
+
+def check_value_shape(
+    value_shape: tuple[int, ...],
+    batch_shape: tuple[int, ...],
+    event_shape: tuple[int, ...],
+    distribution: str,
+) -> None:
+    """``ValueError`` naming the expected shape unless ``value_shape`` ends in
+    ``event_shape`` and its leading dimensions broadcast with ``batch_shape`` (what
+    ``log_prob`` of ``sample_shape + batch_shape + event_shape`` values accepts)."""
+    value_shape, batch_shape, event_shape = map(tuple, (value_shape, batch_shape, event_shape))
+    expected = f"(..., {', '.join(map(str, batch_shape + event_shape))})"
+    n_event = len(event_shape)
+    if len(value_shape) < n_event or value_shape[len(value_shape) - n_event :] != event_shape:
+        raise ValueError(
+            f"{distribution}: a value of shape {value_shape} does not end in the event shape "
+            f"{event_shape}; expected a shape broadcasting with {expected}"
+        )
+    try:
+        np.broadcast_shapes(value_shape[: len(value_shape) - n_event], batch_shape)
+    except ValueError:
+        raise ValueError(
+            f"{distribution}: a value of shape {value_shape} does not broadcast with the batch "
+            f"shape {batch_shape}; expected a shape broadcasting with {expected}"
+        ) from None
