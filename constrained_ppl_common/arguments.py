@@ -35,6 +35,8 @@ def check_count(k, *, concrete: bool, name: str = "k") -> None:
         raise ValueError(f"{name} must be a non-negative integer, got the boolean {k!r}")
     if isinstance(k, Integral):
         return
+    if isinstance(k, list | tuple):
+        k = np.asarray(k)
     if isinstance(k, Real) and not hasattr(k, "dtype"):
         if not float(k).is_integer():
             raise ValueError(f"{name} must be a whole number, got {k!r}")

@@ -21,6 +21,8 @@ from constrained_ppl_common.arguments import check_count, check_static_bound, ch
         torch.tensor(3),
         jnp.array([1, 2]),
         jnp.array(2.0),
+        [2, 3],
+        (1.0, 0.0),
     ],
 )
 def test_counts_accepted(k):
@@ -40,6 +42,7 @@ def test_counts_accepted(k):
         jnp.array([True]),
         np.array([1 + 1j]),
         "3",
+        [1.5, 2],
     ],
 )
 def test_non_counts_rejected(k):
