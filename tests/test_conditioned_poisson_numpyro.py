@@ -426,6 +426,14 @@ def test_parameter_constraints_carry_the_event_dim():
     assert d.arg_constraints["rate"](d.rate).shape == d.batch_shape
     invalid = jnp.asarray(RATES).at[1, 2].set(-1.0)
     np.testing.assert_array_equal(d.arg_constraints["rate"](invalid), [True, False, True, True])
+    # The base constraint is a greater_than(0), as NumPyro's generic tests generate values
+    # for (inside: lower_bound + exp(normal); outside: lower_bound - exp(normal)), and finite.
+    base = d.arg_constraints["rate"].base_constraint
+    assert isinstance(base, dist.constraints.greater_than) and base.lower_bound == 0.0
+    noise = jnp.exp(jax.random.normal(jax.random.PRNGKey(0), (4, 3)))
+    assert bool(d.arg_constraints["rate"](base.lower_bound + noise).all())
+    assert not bool(d.arg_constraints["rate"](base.lower_bound - noise).any())
+    assert not bool(base(jnp.array([jnp.inf, jnp.nan])).any())
 
 
 def test_promote_batch_shape_reads_the_batch_of_rate_and_k():

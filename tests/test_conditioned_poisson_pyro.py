@@ -584,6 +584,7 @@ def _log_likelihood_of_y(z, b):
 
 
 @pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("k_first_bag", [5, 200], ids=["categorical", "sequential"])
 @pytest.mark.parametrize(
     "eager_elbo, jit_elbo",
@@ -620,6 +621,7 @@ def test_jit_elbo_with_a_guide_gives_the_eager_losses_and_gradients(
 
 
 @pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("k_first_bag", [5, 200], ids=["categorical", "sequential"])
 @pytest.mark.parametrize(
     "jit_elbo",
