@@ -661,3 +661,19 @@ def test_jit_elbos_estimate_the_exact_expected_loss(jit_elbo, k_first_bag):
     assert len(set(losses)) == 3  # fresh draws on every call, not samples frozen in the trace
     grad = pyro.get_param_store().get_param("guide_rate").unconstrained().grad
     assert grad is not None and torch.isfinite(grad).all()
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated:DeprecationWarning")
+def test_log_prob_traced_with_values_in_the_support_still_gives_minus_inf_off_it():
+    # torch.jit.trace freezes Python branches on values: masking off-support rows only when
+    # the traced example had some would drop the mask from the compiled graph.
+    rate = torch.tensor([[0.5, 1.0, 2.5], [1.0, 2.0, 3.0]], dtype=torch.float64)
+    d = ConditionedPoisson(rate, k=torch.tensor([3, 4]), validate_args=False)
+    inside = torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 3.0]], dtype=torch.float64)
+    traced = torch.jit.trace(d.log_prob, (inside,), check_trace=False)
+    outside = torch.tensor([[-1.0, 2.0, 2.0], [1.0, 1.0, 2.0]], dtype=torch.float64)
+    log_prob = traced(outside)
+    assert log_prob[0].item() == -math.inf
+    expected = stats.multinomial(4, (rate[1] / rate[1].sum()).numpy()).logpmf([1, 1, 2])
+    assert log_prob[1].item() == pytest.approx(expected, rel=1e-12)
