@@ -25,6 +25,7 @@ from numpyro.distributions.distribution import Distribution
 from numpyro.distributions.kl import kl_divergence
 from numpyro.util import find_stack_level, not_jax_tracer
 
+from constrained_ppl_common.arguments import check_count, check_static_bound, check_value_shape
 from constrained_ppl_common.binomial_tails import bennett_deviation, entropy_log_inverse_tail
 from constrained_ppl_common.exact_integers import (
     check_k_max_bounds_k,
@@ -39,8 +40,13 @@ __all__ = ["ConditionedPoisson", "integer_composition", "positive_finite"]
 SEQUENTIAL_BINOMIAL_MIN_K_PER_CATEGORY = 32
 
 
-class _PositiveFinite(constraints.Constraint):
-    """Real numbers in (0, inf): ``constraints.positive`` lets ``inf`` through."""
+class _PositiveFinite(type(constraints.positive)):
+    """Real numbers in (0, inf): ``constraints.positive`` lets ``inf`` through.
+
+    A ``constraints.greater_than`` with ``lower_bound = 0`` (as ``positive`` is), so that
+    code reading that bound (the value generators of NumPyro's generic distribution tests)
+    treats it as ``positive``. No ``biject_to``: ``exp`` overflows to ``inf``.
+    """
 
     def __call__(self, x):
         xp = jnp if isinstance(x, jax.Array) else np
@@ -49,8 +55,8 @@ class _PositiveFinite(constraints.Constraint):
     def feasible_like(self, prototype):
         return jnp.ones_like(prototype)
 
-    def tree_flatten(self):
-        return (), ((), dict())
+    def eq(self, other, static: bool = False):
+        return isinstance(other, _PositiveFinite)
 
     def __repr__(self) -> str:
         return "PositiveFinite()"
@@ -420,9 +426,8 @@ class ConditionedPoisson(Distribution):
         log_prob(z) = log k! - sum_i log z_i! + sum_i z_i log p_i
 
     on integer vectors ``z >= 0`` with ``sum_i z_i = k``, with respect to counting measure
-    on that set. ``k`` is a Python int or an integer array broadcast with
-    ``rate.shape[:-1]``: the batch shape is the broadcast of the two, the event shape
-    ``rate.shape[-1:]``.
+    on that set. ``k`` is a count (below) broadcast with ``rate.shape[:-1]``: the batch
+    shape is the broadcast of the two, the event shape ``rate.shape[-1:]``.
 
     ``sample`` returns an exact sample whose gradient is the straight-through
     marginal-expectation estimator through ``E[z] = k p`` (MATH.md section 4): the value is
@@ -436,25 +441,45 @@ class ConditionedPoisson(Distribution):
     which must hold every count exactly: ``k`` (or ``k_max``) above ``2**24`` (float32) or
     ``2**53`` (float64) is a ``ValueError``.
 
-    Under ``jit`` with a traced ``k``: nothing about ``k``'s values can be checked at
-    construction; a ``k`` above ``k_max`` makes ``sample``, ``entropy`` and the expected L1
-    loss NaN rather than silently wrong, and a traced ``k`` beyond the exact integers of
-    ``rate``'s dtype without ``k_max`` cannot be detected.
+    ``k``: an int, an integer array, or whole-number floats (``3.0``, as
+    ``Binomial.total_count``); ``3.5``, a bool, a complex number or NaN is a ``ValueError``
+    whatever ``validate_args`` says (`constrained_ppl_common.arguments.check_count`). A
+    negative ``k`` is a ``ValueError`` with validation on; with it off (or with a traced
+    ``k``, which cannot be checked) a negative or fractional ``k`` gives ``-inf``
+    log-probabilities and NaN ``mean``, ``variance``, ``entropy`` and samples, never a
+    finite number.
+
+    ``k_max``, a static bound on ``k``, is kept exactly as given (None or an int): it is
+    pytree aux data, so that a distribution built with a concrete ``k`` and one built with
+    a traced ``k`` have the same tree structure (a ``lax.scan`` carry, a ``jit`` argument).
+    The size of the tables a call needs is decided when it is called: from ``k``'s values
+    when ``k`` is concrete, else from ``k_max`` (the read-only property ``k_max`` is that
+    bound, or None). A traced ``k`` without ``k_max`` has none: ``sample`` then draws
+    sequential binomials, ``entropy`` raises. A concrete ``k`` above ``k_max`` is a
+    ``ValueError``; a traced ``k`` above it gives ``-inf`` log-probabilities and NaN moments
+    and samples rather than anything silently wrong. A traced ``k`` beyond the exact
+    integers of ``rate``'s dtype without ``k_max`` cannot be detected.
+
+    Parameter constraints: ``rate`` has event_dim 1 (its last axis is the event), ``k``
+    event_dim 0, which is what ``promote_batch_shape`` (``numpyro.contrib.control_flow.scan``)
+    reads.
 
     :param rate: positive, finite Poisson rates, shape ``batch + (n,)``.
-    :param k: the known total, a non-negative integer (per batch element or shared): a
-        Python int or an integer array; a floating array is accepted when its values are
-        integers, a Python float or a bool is not.
-    :param k_max: a static upper bound on ``k``, taken from ``k`` when it is concrete (and
-        then checked to bound it). Needed only where ``k`` is traced at construction
-        (inside ``jit``): sampling then falls back to sequential binomials without it, and
-        ``entropy`` needs it.
+    :param k: the known total, a non-negative integer (per batch element or shared), as
+        above.
+    :param k_max: a static upper bound on ``k`` (a Python int), needed only where ``k`` is
+        traced (an argument of ``jit``, ``vmap``, ``scan``): with it, sampling keeps the
+        categorical sampler, and ``entropy`` and the expected L1 loss are possible.
     """
 
-    arg_constraints = {"rate": positive_finite, "k": constraints.nonnegative_integer}
+    arg_constraints = {
+        "rate": constraints.independent(positive_finite, 1),
+        "k": constraints.nonnegative_integer,
+    }
     reparametrized_params = ["rate"]
     pytree_data_fields = ("rate", "k")
-    pytree_aux_fields = ("k_max",)
+    # Exactly what the user passed, never derived from k: see the class docstring.
+    pytree_aux_fields = ("_k_max",)
 
     def __init__(
         self,
@@ -464,47 +489,43 @@ class ConditionedPoisson(Distribution):
         k_max: int | None = None,
         validate_args: bool | None = None,
     ) -> None:
-        rate = jnp.asarray(rate)
-        if not jnp.issubdtype(rate.dtype, jnp.floating):
-            rate = rate.astype(jnp.result_type(float))
-        if rate.ndim < 1:
-            raise ValueError(
-                f"rate must have at least one dimension (the categories), got shape {rate.shape}"
-            )
-        if rate.shape[-1] < 1:
-            raise ValueError("rate must have at least one category (rate.shape[-1] >= 1)")
-        _check_total_count_type(k)
-        if k_max is not None:
-            if isinstance(k_max, bool) or not isinstance(k_max, int | np.integer):
-                raise ValueError(f"k_max must be a Python int, got {k_max!r}")
-            k_max = int(k_max)
-        if not_jax_tracer(k):
-            # From the input, before jnp.asarray: inside jit even a Python int becomes a tracer.
-            k_concrete = np.asarray(k)
-            largest_k = _largest_finite(k_concrete)
-            if largest_k is not None:
-                if k_max is None:
-                    k_max = largest_k
-                else:
-                    check_k_max_bounds_k(k_max, largest_k)
-                if np.issubdtype(k_concrete.dtype, np.floating):
-                    check_total_in_exact_range(largest_k, str(k_concrete.dtype), argument="k")
-                check_total_in_exact_range(largest_k, str(rate.dtype), argument="k")
-            elif k_max is None:
-                k_max = 0
-        if k_max is not None:
-            check_total_in_exact_range(k_max, str(rate.dtype), argument="k_max")
-        k = jnp.asarray(k)
-        try:
-            batch_shape, event_shape = self.infer_shapes(rate.shape, k.shape)
-        except ValueError as error:
-            raise ValueError(
-                f"k of shape {k.shape} does not broadcast with the batch shape "
-                f"{rate.shape[:-1]} of rate (shape {rate.shape})"
-            ) from error
-        self.rate = jnp.broadcast_to(rate, batch_shape + event_shape)
-        self.k = jnp.broadcast_to(k, batch_shape)
-        self.k_max = None if k_max is None else max(k_max, 0)
+        k_max = check_static_bound(k_max)
+        check_count(k, concrete=not_jax_tracer(k), name="k")
+        # Constants closed over inside jit stay concrete here (NumPyro's own validation
+        # evaluates them so too), so that they are still checked and size the tables;
+        # tracers stay tracers.
+        with jax.ensure_compile_time_eval():
+            rate = jnp.asarray(rate)
+            if not jnp.issubdtype(rate.dtype, jnp.floating):
+                rate = rate.astype(jnp.result_type(float))
+            if rate.ndim < 1:
+                raise ValueError(
+                    "rate must have at least one dimension (the categories), got shape "
+                    f"{rate.shape}"
+                )
+            if rate.shape[-1] < 1:
+                raise ValueError("rate must have at least one category (rate.shape[-1] >= 1)")
+            k = jnp.asarray(k)
+            if not_jax_tracer(k):
+                largest_k = _largest_finite(np.asarray(k))
+                if largest_k is not None:
+                    if k_max is not None:
+                        check_k_max_bounds_k(k_max, largest_k)
+                    if jnp.issubdtype(k.dtype, jnp.floating):
+                        check_total_in_exact_range(largest_k, str(k.dtype), argument="k")
+                    check_total_in_exact_range(largest_k, str(rate.dtype), argument="k")
+            if k_max is not None:
+                check_total_in_exact_range(k_max, str(rate.dtype), argument="k_max")
+            try:
+                batch_shape, event_shape = self.infer_shapes(rate.shape, k.shape)
+            except ValueError as error:
+                raise ValueError(
+                    f"k of shape {k.shape} does not broadcast with the batch shape "
+                    f"{rate.shape[:-1]} of rate (shape {rate.shape})"
+                ) from error
+            self.rate = jnp.broadcast_to(rate, batch_shape + event_shape)
+            self.k = jnp.broadcast_to(k, batch_shape)
+        self._k_max = k_max
         super().__init__(batch_shape, event_shape, validate_args=validate_args)
 
     @classmethod
@@ -523,10 +544,49 @@ class ConditionedPoisson(Distribution):
         new = ConditionedPoisson.__new__(ConditionedPoisson)
         new.rate = jnp.broadcast_to(self.rate, batch_shape + self.event_shape)
         new.k = jnp.broadcast_to(self.k, batch_shape)
-        new.k_max = self.k_max
+        new._k_max = self._k_max
         Distribution.__init__(new, batch_shape, self.event_shape, validate_args=False)
         new._validate_args = self._validate_args
         return new
+
+    @property
+    def k_max(self) -> int | None:
+        """The static bound on ``k`` that sizes the tables of a call: the largest ``k`` (at
+        least 0) when ``k`` is concrete, else the ``k_max`` passed, else None. Worked out
+        when read, never stored, so that the pytree does not depend on whether ``k`` is
+        concrete."""
+        if not_jax_tracer(self.k):
+            largest = _largest_finite(np.asarray(self.k))
+            return 0 if largest is None else max(largest, 0)
+        return self._k_max
+
+    def _k_out_of_range(self):
+        """Where ``k`` is no count within the bound (negative, fractional, NaN, or above the
+        ``k_max`` passed), shape ``batch_shape``; None where ``k`` is concrete and in range
+        everywhere, so that eager calls on valid ``k`` pay nothing. What is flagged gets
+        ``-inf`` log-probabilities and NaN moments and samples."""
+        k = self.k
+        if not_jax_tracer(k):
+            k_np = np.asarray(k)
+            # NaN != NaN flags NaN too.
+            bad = (k_np < 0) | (k_np != np.floor(k_np))
+            if self._k_max is not None:
+                bad |= k_np > self._k_max
+            return jnp.asarray(bad) if bad.any() else None
+        bad = k < 0
+        if jnp.issubdtype(k.dtype, jnp.floating):
+            bad = bad | (k != jnp.floor(k))
+        if self._k_max is not None:
+            bad = bad | (k > self._k_max)
+        return bad
+
+    def _mask_out_of_range_k(self, x, fill, *, event: bool):
+        """``x`` with ``fill`` where ``k`` is out of range (`_k_out_of_range`); ``event``:
+        ``x`` has the event dimension last."""
+        bad = self._k_out_of_range()
+        if bad is None:
+            return x
+        return jnp.where(bad[..., None] if event else bad, fill, x)
 
     @constraints.dependent_property(is_discrete=True, event_dim=1)
     def support(self) -> constraints.Constraint:
@@ -546,20 +606,20 @@ class ConditionedPoisson(Distribution):
         return _probs_only(self.rate).astype(self.rate.dtype)
 
     @property
-    def _k_float(self):
-        return self.k.astype(self.rate.dtype)
-
-    @property
     def mean(self):
+        """``k p``; NaN where ``k`` is out of range."""
         p = _probs_only(self.rate)
-        return (self.k.astype(p.dtype)[..., None] * p).astype(self.rate.dtype)
+        mean = (self.k.astype(p.dtype)[..., None] * p).astype(self.rate.dtype)
+        return self._mask_out_of_range_k(mean, jnp.nan, event=True)
 
     @property
     def variance(self):
+        """``k p (1 - p)``; NaN where ``k`` is out of range."""
         # k p (1 - p) with 1 - p exact also where p rounds to 1.
         log_p, log1m_p = self._log_probs()
         k = self.k.astype(log_p.dtype)[..., None]
-        return (k * jnp.exp(log_p + log1m_p)).astype(self.rate.dtype)
+        variance = (k * jnp.exp(log_p + log1m_p)).astype(self.rate.dtype)
+        return self._mask_out_of_range_k(variance, jnp.nan, event=True)
 
     @property
     def marginals(self) -> Binomial:
@@ -570,74 +630,92 @@ class ConditionedPoisson(Distribution):
 
     def log_constraint_prob(self):
         """``log P(sum_i z_i = k)`` under the unconstrained Poissons, ``log Poisson(k; sum(rate))``
-        (the count likelihood of a bag of known total)."""
+        (the count likelihood of a bag of known total); ``-inf`` where ``k`` is out of
+        range."""
         log_total = logsumexp(jnp.log(self.rate.astype(_accumulation_dtype())), axis=-1)
         k = self.k.astype(log_total.dtype)
         log_prob = k * log_total - jnp.exp(log_total) - _log_factorial_of_total(k)
-        return log_prob.astype(self.rate.dtype)
+        return self._mask_out_of_range_k(log_prob.astype(self.rate.dtype), -jnp.inf, event=False)
 
     def log_prob(self, value):
-        """``log k! - sum_i log z_i! + sum_i z_i log p_i``; ``-inf`` off the support, where,
-        with validation on and a concrete value, NumPyro's "Out-of-support values"
-        ``UserWarning`` is emitted too (as by NumPyro's own distributions; not under
-        ``jit``). Differentiable in ``value`` too.
+        """``log k! - sum_i log z_i! + sum_i z_i log p_i``; ``-inf`` off the support (and
+        where a traced ``k`` is out of range), where, with validation on and a concrete
+        value and ``k``, NumPyro's "Out-of-support values" ``UserWarning`` is emitted too
+        (as by NumPyro's own distributions; under ``jit`` too for closed-over constants).
+        Differentiable in ``value`` too. A value whose shape does not end in the event
+        shape, or whose leading dimensions do not broadcast with the batch shape, is a
+        ``ValueError`` naming the expected shape.
 
         The support check is exact whatever ``value``'s dtype (an integer count above
         ``2**24`` is not rounded into the support of a float32 distribution); the sum is
         accumulated in float64 where JAX has it and returned in the promotion of ``rate``'s
         and a floating ``value``'s dtypes.
         """
-        value = jnp.asarray(value)
+        # A constant closed over inside jit stays concrete, so that it is still checked.
+        with jax.ensure_compile_time_eval():
+            value = jnp.asarray(value)
+        check_value_shape(value.shape, self.batch_shape, self.event_shape, "ConditionedPoisson")
         if jnp.issubdtype(value.dtype, jnp.floating):
             dtype = jnp.result_type(self.rate.dtype, value.dtype)
         else:
             dtype = self.rate.dtype
-        if value.shape[-1:] != self.event_shape:
-            raise ValueError(
-                f"value of shape {value.shape} does not end in the event shape "
-                f"{self.event_shape} of ConditionedPoisson"
-            )
+        k_bound = self.k_max
         total_below_2_to_the_m = (
-            self.k_max is not None
+            k_bound is not None
             and jnp.issubdtype(value.dtype, jnp.floating)
-            and self.k_max < largest_exact_integer(str(value.dtype))
+            and k_bound < largest_exact_integer(str(value.dtype))
         )
         log_prob, in_support = _log_prob_and_support(
             self.rate, self.k, value, dtype=dtype, total_below_2_to_the_m=total_below_2_to_the_m
         )
-        if self._validate_args and not_jax_tracer(in_support) and not bool(jnp.all(in_support)):
-            warnings.warn(
-                "Out-of-support values provided to log prob method. "
-                "The value argument should be within the support.",
-                UserWarning,
-                stacklevel=find_stack_level(),
-            )
-        return log_prob
+        if self._validate_args:
+            if not_jax_tracer(in_support):
+                all_in_support = bool(jnp.all(in_support))
+            elif not_jax_tracer(value) and not_jax_tracer(self.k):
+                # Inside jit with a concrete value and k: the support checked in NumPy.
+                in_support_np, _ = _is_integer_composition(np.asarray(value), np.asarray(self.k))
+                all_in_support = bool(np.all(in_support_np))
+            else:
+                all_in_support = True  # a traced value or k cannot be checked
+            if not all_in_support:
+                warnings.warn(
+                    "Out-of-support values provided to log prob method. "
+                    "The value argument should be within the support.",
+                    UserWarning,
+                    stacklevel=find_stack_level(),
+                )
+        return self._mask_out_of_range_k(log_prob, -jnp.inf, event=False)
 
     def sample(self, key, sample_shape: tuple[int, ...] = ()):
         """An exact sample ``z`` returned as ``z + (m - stop_gradient(m))`` with ``m = k p``:
         the value is exactly ``z``, the gradient that of the conditional mean (zero, not
-        absent, where ``k = 0``). NaN where a traced ``k`` exceeds ``k_max``."""
+        absent, where ``k = 0``). NaN where ``k`` is out of range (a traced ``k`` above
+        ``k_max``, a negative or fractional ``k``).
+
+        Categorical draws (O(k log n) per event) where a static bound on ``k`` is known
+        (`k_max`) and small beside n, else sequential binomials (O(n) per event, no bound
+        needed)."""
         sample_shape = tuple(sample_shape)
         dtype = self.rate.dtype
         rate = lax.stop_gradient(self.rate)
         k = lax.stop_gradient(self.k)
         n = rate.shape[-1]
-        if self.k_max == 0:
-            z = jnp.where(k[..., None] > 0, jnp.nan, jnp.zeros(sample_shape + rate.shape, dtype))
+        k_bound = self.k_max
+        if k_bound == 0:
+            # Every k is 0 (a larger traced k is out of range, NaN below).
+            z = jnp.zeros(sample_shape + rate.shape, dtype)
         elif (
-            self.k_max is not None
-            and self.k_max < SEQUENTIAL_BINOMIAL_MIN_K_PER_CATEGORY * n
+            k_bound is not None
+            and k_bound < SEQUENTIAL_BINOMIAL_MIN_K_PER_CATEGORY * n
             and math.prod(sample_shape + self.batch_shape) > 0
         ):
             z = _sample_counts_categorical(
-                key, rate, k, k_max=self.k_max, sample_shape=sample_shape, dtype=dtype
+                key, rate, k, k_max=k_bound, sample_shape=sample_shape, dtype=dtype
             )
         else:
             log_p = _log_probs_only(rate)
             z = _sample_counts_sequentially(key, log_p, k, sample_shape=sample_shape, dtype=dtype)
-            if self.k_max is not None:
-                z = jnp.where(k[..., None] > self.k_max, jnp.nan, z)
+        z = self._mask_out_of_range_k(z, jnp.nan, event=True)
         m = jnp.broadcast_to(self.mean, z.shape)
         return z + (m - lax.stop_gradient(m))
 
@@ -649,9 +727,11 @@ class ConditionedPoisson(Distribution):
         around each mean; the dropped terms total at most ``0.01`` times the machine epsilon
         of ``rate``'s dtype (absolute), see `entropy_log_inverse_tail`. The window sums run
         in ``rate``'s dtype on quantities centred in the accumulation dtype (`_entropy`).
-        Under ``jit`` with a traced ``k``, needs ``k_max``; NaN where ``k > k_max``.
+        Needs a static bound on ``k`` (`k_max`): with a traced ``k``, pass ``k_max``. NaN
+        where ``k`` is out of range.
         """
-        if self.k_max is None:
+        k_bound = self.k_max
+        if k_bound is None:
             raise ValueError(
                 "ConditionedPoisson.entropy needs a static bound on k: pass k_max= when k is "
                 "traced (inside jit or vmap)"
@@ -661,31 +741,19 @@ class ConditionedPoisson(Distribution):
         if self.event_shape[0] == 1:
             # A single category: z = k surely. 0 with a zero gradient.
             entropy = jnp.sum(log_p, -1) * self.k
-            return jnp.where(self.k > self.k_max, jnp.nan, entropy).astype(dtype)
-        eps = float(jnp.finfo(dtype).eps)
-        half_width, width = _entropy_window(log_p, log1m_p, self.k, self.k_max, eps)
-        entropy = _entropy(
-            log_p,
-            log1m_p,
-            self.k,
-            k_max=self.k_max,
-            half_width=half_width,
-            width=width,
-            dtype=np.dtype(dtype),
-        )
-        return entropy.astype(dtype)
-
-
-def _check_total_count_type(k) -> None:
-    """``ValueError`` for a ``k`` that cannot be a count whatever its value."""
-    if isinstance(k, bool) or jnp.asarray(k).dtype == jnp.bool_:
-        raise ValueError("k must be a non-negative integer, got a boolean")
-    if isinstance(k, float):
-        raise ValueError(
-            f"k must be an integer (a Python int or an integer array), got the float {k!r}"
-        )
-    if jnp.issubdtype(jnp.asarray(k).dtype, jnp.complexfloating):
-        raise ValueError(f"k must be an integer array, got dtype {jnp.asarray(k).dtype}")
+        else:
+            eps = float(jnp.finfo(dtype).eps)
+            half_width, width = _entropy_window(log_p, log1m_p, self.k, k_bound, eps)
+            entropy = _entropy(
+                log_p,
+                log1m_p,
+                self.k,
+                k_max=k_bound,
+                half_width=half_width,
+                width=width,
+                dtype=np.dtype(dtype),
+            )
+        return self._mask_out_of_range_k(entropy.astype(dtype), jnp.nan, event=False)
 
 
 def _largest_finite(k: np.ndarray) -> int | None:
@@ -707,7 +775,7 @@ def _vmap_over_conditioned_poisson(dist: ConditionedPoisson, rate=None, k=None):
 @kl_divergence.register(ConditionedPoisson, ConditionedPoisson)
 def _kl_conditioned_poisson(p: ConditionedPoisson, q: ConditionedPoisson):
     """``KL(p || q) = k sum_i p_i log(p_i / q_i)`` for two with the same ``k`` and ``n``, in
-    the promotion of their dtypes."""
+    the promotion of their dtypes; NaN where ``k`` is out of range."""
     if p.event_shape != q.event_shape:
         raise ValueError(
             f"KL between ConditionedPoisson needs the same number of categories, got "
@@ -719,4 +787,5 @@ def _kl_conditioned_poisson(p: ConditionedPoisson, q: ConditionedPoisson):
     log_p = p._log_p()
     log_q = q._log_p()
     kl = p.k.astype(log_p.dtype) * jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
-    return kl.astype(jnp.result_type(p.rate.dtype, q.rate.dtype))
+    kl = kl.astype(jnp.result_type(p.rate.dtype, q.rate.dtype))
+    return p._mask_out_of_range_k(kl, jnp.nan, event=False)

@@ -16,8 +16,10 @@ from pyro.distributions import Binomial, TorchDistribution
 from torch.distributions import constraints
 from torch.distributions.kl import register_kl
 
+from constrained_ppl_common.arguments import check_count, check_static_bound, check_value_shape
 from constrained_ppl_common.binomial_tails import bennett_deviation, entropy_log_inverse_tail
 from constrained_ppl_common.exact_integers import (
+    check_k_max_bounds_k,
     check_total_in_exact_range,
     largest_exact_integer,
 )
@@ -117,7 +119,9 @@ def _normalized_log_probs(rate: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
         return log_rate * 0.0, torch.full_like(log_rate, -math.inf)
     log_max, argmax = log_rate.max(-1, keepdim=True)
     shifted = log_rate - log_max
-    is_max = torch.zeros_like(shifted, dtype=torch.bool).scatter_(-1, argmax, True)
+    # A comparison, not an in-place scatter_: this runs in log_prob and rsample under
+    # torch.jit.trace (JitTrace_ELBO), which cannot record scatter_ with a bool.
+    is_max = torch.arange(shifted.shape[-1], device=shifted.device) == argmax
     log_rest = torch.logsumexp(shifted.masked_fill(is_max, -math.inf), -1, keepdim=True)
     log1p_rest = torch.logaddexp(log_rest, torch.zeros_like(log_rest))
     log_p = shifted - log1p_rest
@@ -146,7 +150,8 @@ def _log_probs_only(rate: torch.Tensor) -> torch.Tensor:
     # 1 + S rounds S away when S is tiny: sum S without the 1. One largest rate, by index:
     # ties stay in S, so every rate keeps its gradient.
     largest, argmax = rate.max(-1, keepdim=True)
-    is_top = torch.zeros_like(rate, dtype=torch.bool).scatter_(-1, argmax, True)
+    # A comparison, not an in-place scatter_ (torch.jit.trace, see _normalized_log_probs).
+    is_top = torch.arange(rate.shape[-1], device=rate.device) == argmax
     rest = torch.where(is_top, 0.0, rate / largest).sum(-1, keepdim=True)
     # log(rate / largest) exactly 0 for the largest (whose log p is then -log(1 + S)), even
     # where the vectorised log of rate and the log of largest round differently.
@@ -251,7 +256,7 @@ def _expected_log_factorials(
         unique_k = unique_keys // (k_max + 1)
         unique_c = unique_keys % (k_max + 1)
         # Coordinates with the same (k, c) have the same window.
-        unique_first = torch.zeros_like(unique_keys).scatter_(0, rows, first.reshape(-1))
+        unique_first = torch.zeros_like(unique_keys).scatter(0, rows, first.reshape(-1))
         j = unique_first.unsqueeze(-1) + torch.arange(width, device=device)
         in_range = j <= unique_k.unsqueeze(-1)
         j = torch.minimum(j, unique_k.unsqueeze(-1)).to(accumulation)
@@ -315,8 +320,9 @@ def _sample_counts(rate: torch.Tensor, k: torch.Tensor, sample_shape: torch.Size
         else:
             keep = torch.arange(k_max, device=rate.device) < k_rows.view(rows, 1, 1)
             weights = keep.to(rate.dtype).expand_as(draws)
-        counts = rate.new_zeros(rows, num_samples, n)
-        counts.scatter_add_(-1, draws, weights)
+        # Out of place, like everything sample runs: it runs under torch.jit.trace
+        # (JitTrace_ELBO), whose graphs are only sound without in-place writes.
+        counts = rate.new_zeros(rows, num_samples, n).scatter_add(-1, draws, weights)
     else:
         counts = _sample_counts_sequentially(_log_probs_only(rate_rows), k_rows, num_samples)
         counts = counts.to(rate.dtype)
@@ -336,14 +342,15 @@ def _sample_counts_sequentially(
     log_tail = log_p_rows.flip(-1).logcumsumexp(-1).flip(-1)
     conditional_p = (log_p_rows - log_tail).exp().clamp(0.0, 1.0)
     conditional_p = conditional_p.expand(num_samples, rows, n)
-    remaining = k_rows.to(log_p_rows.dtype).expand(num_samples, rows).clone()
-    counts = log_p_rows.new_zeros(num_samples, rows, n)
+    remaining = k_rows.to(log_p_rows.dtype).expand(num_samples, rows)
+    # Stacked, not written into a buffer: no in-place op under torch.jit.trace.
+    columns = []
     for i in range(n - 1):
         z_i = torch.binomial(remaining, conditional_p[..., i].contiguous())
-        counts[..., i] = z_i
+        columns.append(z_i)
         remaining = remaining - z_i
-    counts[..., n - 1] = remaining
-    return counts.movedim(0, 1)
+    columns.append(remaining)
+    return torch.stack(columns, -1).movedim(0, 1)
 
 
 class _LogFactorialOfCounts(torch.autograd.Function):
@@ -383,37 +390,56 @@ class ConditionedPoisson(TorchDistribution):
         log_prob(z) = log k! - sum_i log z_i! + sum_i z_i log p_i
 
     on integer vectors ``z >= 0`` with ``sum_i z_i = k``, with respect to counting measure
-    on that set. ``k`` is a Python int or an integer tensor broadcast with
-    ``rate.shape[:-1]``: the batch shape is the broadcast of the two, the event shape
-    ``rate.shape[-1:]``.
+    on that set. ``k`` is a count (below) broadcast with ``rate.shape[:-1]``: the batch
+    shape is the broadcast of the two, the event shape ``rate.shape[-1:]``.
 
     ``rsample`` returns an exact sample whose gradient is the straight-through
     marginal-expectation estimator through ``E[z] = k p`` (MATH.md section 4): the value is
     exactly integer and sums exactly to ``k``. ``marginals`` are ``Binomial(k, p_i)``.
+    ``sample``, ``rsample`` and ``log_prob`` use no in-place op, so that they run under
+    ``torch.jit.trace`` (``JitTrace_ELBO`` and its kin).
 
     Numerics: ``p`` is normalised in log space in float64 (rates from 1e-300 to 1e300
     side by side are fine), and ``log_prob``, ``entropy``, ``mean``, ``variance``, KL and
     ``log_constraint_prob`` accumulate in float64 before rounding to ``rate``'s dtype, so
     that float32 results keep float32 relative accuracy at large ``k``. ``k`` and the
-    samples live in ``rate``'s dtype, which must hold every count exactly: ``k`` above
-    ``2**24`` (float32) or ``2**53`` (float64) is a ``ValueError``.
+    samples live in ``rate``'s dtype, which must hold every count exactly: ``k`` (or
+    ``k_max``) above ``2**24`` (float32) or ``2**53`` (float64) is a ``ValueError``.
+
+    ``k``: an int, an integer tensor, or whole-number floats (``3.0``, as
+    ``Binomial.total_count``); ``3.5``, a bool, a complex number or NaN is a ``ValueError``
+    whatever ``validate_args`` says (`constrained_ppl_common.arguments.check_count`), as in
+    ``numpyro_constrained``. A negative ``k`` is a ``ValueError`` with validation on; with
+    it off it gives ``-inf`` log-probabilities and NaN ``mean``, ``variance``, ``entropy``
+    and samples, never a finite number.
+
+    Parameter constraints: ``rate`` has event_dim 1 (its last dimension is the event),
+    ``k`` event_dim 0.
 
     :param rate: positive, finite Poisson rates, shape ``batch + (n,)``.
-    :param k: the known total, a non-negative integer (per batch element or shared): a
-        Python int or an integer tensor; a floating tensor is accepted when its values are
-        integers (as for ``Binomial.total_count``), a Python float or a bool is not.
+    :param k: the known total, a non-negative integer (per batch element or shared), as
+        above.
+    :param k_max: an optional static upper bound on ``k`` (a Python int), for parity with
+        ``numpyro_constrained``, where it sizes jitted tables when ``k`` is traced; here
+        ``k`` is always concrete, so it is only checked: a ``k`` above it is a
+        ``ValueError``.
     """
 
-    arg_constraints = {"rate": positive_finite, "k": constraints.nonnegative_integer}
+    arg_constraints = {
+        "rate": constraints.independent(positive_finite, 1),
+        "k": constraints.nonnegative_integer,
+    }
     has_rsample = True
 
     def __init__(
         self,
         rate: torch.Tensor,
         *,
-        k: int | torch.Tensor,
+        k: int | float | torch.Tensor,
+        k_max: int | None = None,
         validate_args: bool | None = None,
     ) -> None:
+        k_max = check_static_bound(k_max)
         rate = torch.as_tensor(rate)
         if not rate.is_floating_point():
             rate = rate.to(torch.get_default_dtype())
@@ -424,7 +450,8 @@ class ConditionedPoisson(TorchDistribution):
             )
         if rate.shape[-1] < 1:
             raise ValueError("rate must have at least one category (rate.shape[-1] >= 1)")
-        k = _total_count_tensor(k, rate.device)
+        check_count(k, concrete=True, name="k")
+        k = torch.as_tensor(k, device=rate.device)
         try:
             batch_shape = torch.broadcast_shapes(rate.shape[:-1], k.shape)
         except RuntimeError as error:
@@ -432,11 +459,12 @@ class ConditionedPoisson(TorchDistribution):
                 f"k of shape {tuple(k.shape)} does not broadcast with the batch shape "
                 f"{tuple(rate.shape[:-1])} of rate (shape {tuple(rate.shape)})"
             ) from error
-        _check_k_is_exact(k, rate.dtype)
+        _check_k_is_exact(k, rate.dtype, k_max)
         event_shape = rate.shape[-1:]
         self.rate = rate.expand(batch_shape + event_shape)
         # Stored in rate's dtype, as Binomial stores total_count (exact: checked above).
         self.k = k.to(rate.dtype).expand(batch_shape)
+        self.k_max = k_max
         super().__init__(batch_shape, event_shape, validate_args=validate_args)
 
     @classmethod
@@ -449,6 +477,7 @@ class ConditionedPoisson(TorchDistribution):
         batch_shape = torch.Size(batch_shape)
         new.rate = self.rate.expand(batch_shape + self.event_shape)
         new.k = self.k.expand(batch_shape)
+        new.k_max = self.k_max
         super(ConditionedPoisson, new).__init__(batch_shape, self.event_shape, validate_args=False)
         new._validate_args = self._validate_args
         return new
@@ -472,21 +501,35 @@ class ConditionedPoisson(TorchDistribution):
 
     @property
     def _k_max(self) -> int:
-        return int(self.k.max()) if self.k.numel() else 0
+        """The largest ``k``, at least 0 (the size of the log-factorial table)."""
+        return max(int(self.k.max()), 0) if self.k.numel() else 0
 
     @property
     def _k_long(self) -> torch.Tensor:
-        return self.k.long()
+        """``k`` as a long tensor, negative entries (validation off) as 0: what the
+        samplers and the entropy's tables can take; `_k_is_negative` marks them."""
+        return self.k.clamp(min=0).long()
+
+    @property
+    def _k_is_negative(self) -> torch.Tensor:
+        """Where ``k < 0`` (possible with validation off), shape ``batch_shape``: those get
+        ``-inf`` log-probabilities and NaN moments and samples. A mask, not a branch on its
+        values, so that it stays right under ``torch.jit.trace``."""
+        return self.k < 0
 
     @property
     def mean(self) -> torch.Tensor:
-        return (self.k.double().unsqueeze(-1) * _probs_only(self.rate)).to(self.rate.dtype)
+        """``k p``; NaN where ``k < 0``."""
+        mean = (self.k.double().unsqueeze(-1) * _probs_only(self.rate)).to(self.rate.dtype)
+        return mean.masked_fill(self._k_is_negative.unsqueeze(-1), math.nan)
 
     @property
     def variance(self) -> torch.Tensor:
+        """``k p (1 - p)``; NaN where ``k < 0``."""
         # k p (1 - p) with 1 - p exact also where p rounds to 1.
         log_p, log1m_p = self._log_probs()
-        return (self.k.double().unsqueeze(-1) * (log_p + log1m_p).exp()).to(self.rate.dtype)
+        variance = (self.k.double().unsqueeze(-1) * (log_p + log1m_p).exp()).to(self.rate.dtype)
+        return variance.masked_fill(self._k_is_negative.unsqueeze(-1), math.nan)
 
     @property
     def marginals(self) -> Binomial:
@@ -496,15 +539,17 @@ class ConditionedPoisson(TorchDistribution):
 
     def log_constraint_prob(self) -> torch.Tensor:
         """``log P(sum_i z_i = k)`` under the unconstrained Poissons, ``log Poisson(k; sum(rate))``
-        (the count likelihood of a bag of known total)."""
+        (the count likelihood of a bag of known total); ``-inf`` where ``k < 0``."""
         log_total = torch.logsumexp(self.rate.double().log(), -1)
         k = self.k.double()
         log_prob = torch.xlogy(k, log_total.exp()) - log_total.exp() - torch.lgamma(k + 1)
-        return log_prob.to(self.rate.dtype)
+        return log_prob.to(self.rate.dtype).masked_fill(self._k_is_negative, -math.inf)
 
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
         """``log k! - sum_i log z_i! + sum_i z_i log p_i``; ``-inf`` off the support (or a
-        ``ValueError`` there with validation on). Differentiable in ``value`` too.
+        ``ValueError`` there with validation on). Differentiable in ``value`` too. A value
+        whose shape does not end in the event shape, or whose leading dimensions do not
+        broadcast with the batch shape, is a ``ValueError`` naming the expected shape.
 
         The support check is exact whatever ``value``'s dtype (an int64 count above
         ``2**24`` is not rounded into the support of a float32 distribution); the sum is
@@ -512,27 +557,22 @@ class ConditionedPoisson(TorchDistribution):
         ``value``'s dtypes (torch's type promotion).
         """
         value = torch.as_tensor(value, device=self.rate.device)
+        check_value_shape(value.shape, self.batch_shape, self.event_shape, "ConditionedPoisson")
         if value.is_floating_point():
             dtype = torch.promote_types(self.rate.dtype, value.dtype)
         else:
             dtype = self.rate.dtype
-        if value.shape[-1:] != self.event_shape:
-            raise ValueError(
-                f"value of shape {tuple(value.shape)} does not end in the event shape "
-                f"{tuple(self.event_shape)} of ConditionedPoisson"
-            )
         in_support, _ = _is_integer_composition(value, self.k)
-        all_in_support = bool(in_support.all())
-        if self._validate_args and not all_in_support:
+        if self._validate_args and not bool(in_support.all()):
             raise ValueError(
                 "The value argument to ConditionedPoisson.log_prob must be vectors of "
                 f"integers >= 0 that sum to exactly k, got {value} with k = {self.k}"
             )
-        if not all_in_support:
-            # lgamma(z + 1) at a negative integer is inf and its derivative NaN: evaluate
-            # off the support at 0 instead (those entries get -inf below; where keeps the
-            # gradient of the others exact, unlike clamping, which halves it at 0).
-            value = torch.where(in_support.unsqueeze(-1), value, 0)
+        # lgamma(z + 1) at a negative integer is inf and its derivative NaN: evaluate off
+        # the support at 0 instead (those entries get -inf below; where keeps the gradient
+        # of the others exact, unlike clamping, which halves it at 0). Always, not behind a
+        # check of the values: torch.jit.trace would freeze that branch.
+        value = torch.where(in_support.unsqueeze(-1), value, 0)
         counts = value.to(torch.float64)
         log_p = self._log_p()
         k = self.k.double()
@@ -541,13 +581,17 @@ class ConditionedPoisson(TorchDistribution):
             - _log_factorial_of_counts(counts, self._k_max).sum(-1)
             + torch.linalg.vecdot(counts, log_p)
         )
-        if not all_in_support:
-            log_prob = torch.where(in_support, log_prob, -math.inf)
+        # A negative k (validation off) has no value in its support.
+        log_prob = torch.where(in_support, log_prob, -math.inf)
         return log_prob.to(dtype)
 
     def sample(self, sample_shape=_EMPTY_SIZE) -> torch.Tensor:
+        """An exact sample (no gradient); NaN where ``k < 0``."""
+        # detach, not only no_grad: torch.jit.trace does not record no_grad, and a traced
+        # sampler whose inputs required grad would be differentiated through its draws.
         with torch.no_grad():
-            return _sample_counts(self.rate, self._k_long, torch.Size(sample_shape))
+            z = _sample_counts(self.rate.detach(), self._k_long, torch.Size(sample_shape))
+            return z.masked_fill(self._k_is_negative.unsqueeze(-1), math.nan)
 
     def rsample(self, sample_shape=_EMPTY_SIZE) -> torch.Tensor:
         """An exact sample ``z`` returned as ``z + (m - m.detach())`` with ``m = k p``: the
@@ -559,7 +603,7 @@ class ConditionedPoisson(TorchDistribution):
 
     def entropy(self) -> torch.Tensor:
         """Exact entropy ``-log k! - k sum_i p_i log p_i + sum_i E[log z_i!]``,
-        ``z_i ~ Binomial(k, p_i)``.
+        ``z_i ~ Binomial(k, p_i)``; NaN where ``k < 0``.
 
         The expectations sum only over binomial outcomes within a Bennett-inequality window
         around each mean; the dropped terms total at most ``0.01`` times the machine epsilon
@@ -572,48 +616,39 @@ class ConditionedPoisson(TorchDistribution):
         log_p, log1m_p = self._log_probs()
         if self.event_shape[0] == 1:
             # A single category: z = k surely. 0 with a zero gradient.
-            return (log_p.sum(-1) * self.k).to(dtype)
-        k = self.k.double()
-        log_c_factorial, correction = _expected_log_factorials(log_p, log1m_p, self._k_long, dtype)
-        cross_entropy = k * (log_p.exp() * log_p).sum(-1)
-        # Grouped so that a near-certain outcome (entropy 1e-28 beside log k! = 8.5, say)
-        # keeps its relative accuracy: the log-factorials cancel exactly there.
-        log_factorials = log_c_factorial.sum(-1) - torch.lgamma(k + 1)
-        entropy = log_factorials + (correction.sum(-1) - cross_entropy)
-        return entropy.to(dtype)
+            entropy = (log_p.sum(-1) * self.k).to(dtype)
+        else:
+            k_long = self._k_long
+            k = k_long.double()
+            log_c_factorial, correction = _expected_log_factorials(log_p, log1m_p, k_long, dtype)
+            cross_entropy = k * (log_p.exp() * log_p).sum(-1)
+            # Grouped so that a near-certain outcome (entropy 1e-28 beside log k! = 8.5, say)
+            # keeps its relative accuracy: the log-factorials cancel exactly there.
+            log_factorials = log_c_factorial.sum(-1) - torch.lgamma(k + 1)
+            entropy = (log_factorials + (correction.sum(-1) - cross_entropy)).to(dtype)
+        return entropy.masked_fill(self._k_is_negative, math.nan)
 
 
-def _total_count_tensor(k: int | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``k`` as a tensor, refusing what cannot be a count whatever its value."""
-    if isinstance(k, bool) or (isinstance(k, torch.Tensor) and k.dtype == torch.bool):
-        raise ValueError("k must be a non-negative integer, got a boolean")
-    if isinstance(k, float):
-        raise ValueError(
-            f"k must be an integer (a Python int or an integer tensor), got the float {k!r}"
-        )
-    k = torch.as_tensor(k, device=device)
-    if k.dtype == torch.bool or k.is_complex():
-        raise ValueError(f"k must be an integer tensor, got dtype {k.dtype}")
-    return k
-
-
-def _check_k_is_exact(k: torch.Tensor, dtype: torch.dtype) -> None:
-    """``ValueError`` when ``k`` exceeds the integers that ``dtype`` (and a floating ``k``'s
-    own dtype) hold exactly; NaN and negative ``k`` are left to the validation of ``k``."""
+def _check_k_is_exact(k: torch.Tensor, dtype: torch.dtype, k_max: int | None) -> None:
+    """``ValueError`` when ``k`` exceeds ``k_max`` or the integers that ``dtype`` (and a
+    floating ``k``'s own dtype) hold exactly, or ``k_max`` exceeds those of ``dtype``;
+    negative ``k`` is left to the validation of ``k`` (NaN is refused by `check_count`)."""
+    if k_max is not None:
+        check_total_in_exact_range(k_max, str(dtype), argument="k_max")
     if k.numel() == 0:
         return
-    largest = k.max()
+    largest = int(k.max())
+    if k_max is not None:
+        check_k_max_bounds_k(k_max, largest)
     if k.is_floating_point():
-        if not bool(torch.isfinite(largest)):
-            return
-        check_total_in_exact_range(int(largest), str(k.dtype), argument="k")
-    check_total_in_exact_range(int(largest), str(dtype), argument="k")
+        check_total_in_exact_range(largest, str(k.dtype), argument="k")
+    check_total_in_exact_range(largest, str(dtype), argument="k")
 
 
 @register_kl(ConditionedPoisson, ConditionedPoisson)
 def _kl_conditioned_poisson(p: ConditionedPoisson, q: ConditionedPoisson) -> torch.Tensor:
     """``KL(p || q) = k sum_i p_i log(p_i / q_i)`` for two with the same ``k`` and ``n``, in
-    the promotion of their dtypes."""
+    the promotion of their dtypes; NaN where ``k < 0``."""
     if p.event_shape != q.event_shape:
         raise ValueError(
             f"KL between ConditionedPoisson needs the same number of categories, got "
@@ -624,4 +659,5 @@ def _kl_conditioned_poisson(p: ConditionedPoisson, q: ConditionedPoisson) -> tor
     log_p = p._log_p()
     log_q = q._log_p()
     kl = p.k.double() * (log_p.exp() * (log_p - log_q)).sum(-1)
-    return kl.to(torch.promote_types(p.rate.dtype, q.rate.dtype))
+    kl = kl.to(torch.promote_types(p.rate.dtype, q.rate.dtype))
+    return kl.masked_fill(p._k_is_negative, math.nan)

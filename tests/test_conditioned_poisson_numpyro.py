@@ -2,6 +2,7 @@
 jit, vmap and grad."""
 
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -9,8 +10,10 @@ import numpy as np
 import numpyro
 import numpyro.distributions as dist
 import pytest
-from numpyro.distributions.batch_util import vmap_over
+from numpyro.contrib.control_flow import scan
+from numpyro.distributions.batch_util import promote_batch_shape, vmap_over
 from numpyro.distributions.kl import kl_divergence
+from numpyro.infer.util import log_density
 from scipy import special, stats
 
 from numpyro_constrained import ConditionedPoisson
@@ -402,3 +405,326 @@ def test_a_single_category_is_deterministic_with_finite_gradients():
     np.testing.assert_array_equal(log_prob, 0.0)
     grad = jax.jit(jax.grad(lambda r: sum(jnp.sum(x) for x in total(r))))(rate)
     assert bool(jnp.isfinite(grad).all())
+
+
+# Framework conformance (issue 15) ----------------------------------------------------------
+
+RATES = np.array([[0.5, 1.0, 2.5], [1.0, 2.0, 3.0], [3.0, 1.0, 1.0], [2.0, 2.0, 1.0]])
+KS = np.array([3, 4, 2, 5])
+VALUES = np.array([[1.0, 1.0, 1.0], [0.0, 1.0, 3.0], [2.0, 0.0, 0.0], [1.0, 2.0, 2.0]])
+
+
+def _scipy_log_prob(rate, k, value):
+    return stats.multinomial(int(k), rate / rate.sum()).logpmf(value)
+
+
+def test_parameter_constraints_carry_the_event_dim():
+    # rate's last axis is the event; k is one count per batch element.
+    d = ConditionedPoisson(jnp.asarray(RATES), k=KS)
+    assert d.arg_constraints["rate"].event_dim == 1
+    assert d.arg_constraints["k"].event_dim == 0
+    assert d.arg_constraints["rate"](d.rate).shape == d.batch_shape
+    invalid = jnp.asarray(RATES).at[1, 2].set(-1.0)
+    np.testing.assert_array_equal(d.arg_constraints["rate"](invalid), [True, False, True, True])
+    # The base constraint is a greater_than(0), as NumPyro's generic tests generate values
+    # for (inside: lower_bound + exp(normal); outside: lower_bound - exp(normal)), and finite.
+    base = d.arg_constraints["rate"].base_constraint
+    assert isinstance(base, dist.constraints.greater_than) and base.lower_bound == 0.0
+    noise = jnp.exp(jax.random.normal(jax.random.PRNGKey(0), (4, 3)))
+    assert bool(d.arg_constraints["rate"](base.lower_bound + noise).all())
+    assert not bool(d.arg_constraints["rate"](base.lower_bound - noise).any())
+    assert not bool(base(jnp.array([jnp.inf, jnp.nan])).any())
+
+
+def test_promote_batch_shape_reads_the_batch_of_rate_and_k():
+    # promote_batch_shape takes each parameter's batch shape as its shape without the
+    # constraint's event dims; with an event_dim-0 rate it took the 3 categories as batch.
+    d = jax.vmap(lambda r, k: ConditionedPoisson(r, k=k))(jnp.asarray(RATES), jnp.asarray(KS))
+    assert d.batch_shape == ()
+    assert promote_batch_shape(d).batch_shape == (4,)
+    d = jax.vmap(lambda k: ConditionedPoisson(jnp.asarray(RATES[0]), k=k))(jnp.asarray(KS))
+    assert promote_batch_shape(d).batch_shape == (4,)
+
+
+def test_observed_site_in_scan_scores_as_the_unrolled_model():
+    def step(carry, x):
+        rate, k, value = x
+        numpyro.sample("z", ConditionedPoisson(rate, k=k), obs=value)
+        return carry, None
+
+    def scanned():
+        scan(step, None, (jnp.asarray(RATES), jnp.asarray(KS), jnp.asarray(VALUES)))
+
+    def unrolled():
+        for t in range(len(KS)):
+            numpyro.sample(f"z{t}", ConditionedPoisson(RATES[t], k=KS[t]), obs=VALUES[t])
+
+    expected = sum(_scipy_log_prob(*args) for args in zip(RATES, KS, VALUES, strict=True))
+    log_joint_scanned, _ = log_density(scanned, (), {}, {})
+    log_joint_unrolled, _ = log_density(unrolled, (), {}, {})
+    np.testing.assert_allclose(log_joint_scanned, expected, rtol=1e-12)
+    np.testing.assert_allclose(log_joint_unrolled, expected, rtol=1e-12)
+
+
+@pytest.mark.parametrize("k", [3.0, np.float64(3.0), np.array([3.0, 4.0]), jnp.array([3.0, 4.0])])
+def test_whole_number_float_k_is_the_count(k):
+    rate = RATES[:2]
+    d = ConditionedPoisson(jnp.asarray(rate), k=k)
+    k_int = np.broadcast_to(np.asarray(k), (2,)).astype(int)
+    value = np.array([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+    value[1, 0] = k_int[1]
+    expected = [_scipy_log_prob(rate[b], k_int[b], value[b]) for b in (0, 1)]
+    np.testing.assert_allclose(d.log_prob(jnp.asarray(value)), expected, rtol=1e-12)
+    assert d.k_max == int(k_int.max())
+    np.testing.assert_allclose(d.entropy(), oracle.multinomial_entropy(rate, k_int), rtol=1e-10)
+
+
+@pytest.mark.parametrize("validate_args", [True, False])
+@pytest.mark.parametrize(
+    "k", [3.5, np.array([1.0, 2.5]), True, np.array([True, False]), 2 + 0j, math.nan, math.inf]
+)
+def test_k_that_is_no_count_is_a_value_error_whatever_validate_args(k, validate_args):
+    with pytest.raises(ValueError, match=r"\bk\b"):
+        ConditionedPoisson(jnp.ones((2, 3)), k=k, validate_args=validate_args)
+
+
+def test_k_max_is_kept_as_given_and_the_bound_is_decided_at_call_time():
+    rate = jnp.asarray(RATES[:2])
+    k = np.array([3, 4])
+    assert ConditionedPoisson(rate, k=k)._k_max is None
+    assert ConditionedPoisson(rate, k=k).k_max == 4  # from the concrete k
+    assert ConditionedPoisson(rate, k=k, k_max=10)._k_max == 10
+    assert ConditionedPoisson(rate, k=k, k_max=10).k_max == 4
+    assert ConditionedPoisson(rate, k=k, k_max=10.0)._k_max == 10  # a whole-number float
+    for bad in (3.5, -1, True, jnp.array(5)):
+        with pytest.raises(ValueError, match="k_max"):
+            ConditionedPoisson(rate, k=k, k_max=bad)
+    with pytest.raises(ValueError, match="k_max = 3 is below the largest k = 4"):
+        ConditionedPoisson(rate, k=k, k_max=3)
+
+    # Inside jit: a traced k has the bound passed (or none); a closed-over constant k is
+    # concrete and gives its own.
+    bounds = {}
+
+    def record(k):
+        bounds["traced"] = ConditionedPoisson(rate, k=k).k_max
+        bounds["traced, k_max=7"] = ConditionedPoisson(rate, k=k, k_max=7).k_max
+        bounds["constant"] = ConditionedPoisson(rate, k=np.array([1, 2])).k_max
+        bounds["aux"] = ConditionedPoisson(rate, k=k, k_max=7)._k_max
+        return k
+
+    jax.jit(record)(k)
+    assert bounds == {"traced": None, "traced, k_max=7": 7, "constant": 2, "aux": 7}
+
+
+OUT_OF_RANGE_K = {
+    "negative": (np.array([-1, -1]), 5),
+    "negative-in-batch": (np.array([2, -1]), 5),
+    "above-k_max": (np.array([7, 2]), 5),
+    "fractional": (np.array([2.5, 2.0]), 5),
+    "negative-without-k_max": (np.array([-1, 2]), None),
+}
+
+
+@pytest.mark.parametrize("k, k_max", OUT_OF_RANGE_K.values(), ids=OUT_OF_RANGE_K.keys())
+def test_traced_k_out_of_range_gives_minus_inf_and_nan_never_a_finite_number(k, k_max):
+    rate = jnp.asarray(RATES[:2])
+    value = jnp.zeros((2, 3))
+    bad = (k < 0) | (k != np.floor(k)) | (k > (k_max if k_max is not None else np.inf))
+
+    @jax.jit
+    def run(k):
+        d = ConditionedPoisson(rate, k=k, k_max=k_max)
+        out = {
+            "log_prob": d.log_prob(value),
+            "log_constraint_prob": d.log_constraint_prob(),
+            "mean": d.mean,
+            "variance": d.variance,
+            "sample": d.sample(jax.random.PRNGKey(0), (3,)),
+            "kl": kl_divergence(d, d),
+        }
+        if k_max is not None:
+            out["entropy"] = d.entropy()
+        return out
+
+    out = run(k)
+    for name in ("log_prob", "log_constraint_prob"):
+        assert np.all(np.asarray(out[name])[bad] == -math.inf), name
+    for name in ("mean", "variance", "kl", "entropy"):
+        if name in out:
+            x = np.asarray(out[name])
+            assert np.all(np.isnan(x[bad])) and np.all(np.isfinite(x[~bad])), name
+    sample = np.asarray(out["sample"])
+    assert np.all(np.isnan(sample[:, bad])) and np.all(np.isfinite(sample[:, ~bad]))
+    np.testing.assert_array_equal(
+        sample[:, ~bad].sum(-1), np.broadcast_to(k[~bad], (3, (~bad).sum()))
+    )
+
+
+def test_concrete_negative_k_with_validation_off_gives_minus_inf_and_nan():
+    d = ConditionedPoisson(jnp.asarray(RATES[:2]), k=np.array([3, -1]), validate_args=False)
+    log_prob = d.log_prob(jnp.array([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]))
+    np.testing.assert_allclose(log_prob[0], _scipy_log_prob(RATES[0], 3, [1, 1, 1]), rtol=1e-12)
+    assert log_prob[1] == -math.inf
+    for x in (d.mean, d.variance, d.entropy(), d.sample(jax.random.PRNGKey(0))):
+        assert np.all(np.isfinite(x[0])) and np.all(np.isnan(x[1]))
+
+
+# Pytrees: structure independent of k's concreteness and of the methods called -------------
+
+
+def _methods_called(d):
+    """Calls every method and property (their results are discarded)."""
+    d.log_prob(d.sample(jax.random.PRNGKey(0), (2,)))
+    d.mean, d.variance, d.probs, d.support, d.marginals  # noqa: B018
+    d.log_constraint_prob()
+    if d.k_max is not None:
+        d.entropy()
+    kl_divergence(d, d)
+    d.expand((3,) + d.batch_shape)
+
+
+@pytest.mark.parametrize("k_max", [None, 9])
+def test_tree_structure_is_the_same_for_concrete_and_traced_k_and_after_every_method(k_max):
+    rate, k = jnp.asarray(RATES), jnp.asarray(KS)
+    d = ConditionedPoisson(rate, k=k, k_max=k_max)
+    treedef = jax.tree.structure(d)
+    _methods_called(d)
+    assert jax.tree.structure(d) == treedef
+    leaves = jax.tree.leaves(d)
+    rebuilt = jax.tree.unflatten(treedef, leaves)
+    assert jax.tree.structure(rebuilt) == treedef
+    for a, b in zip(jax.tree.leaves(rebuilt), leaves, strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(
+        rebuilt.log_prob(jnp.asarray(VALUES)), d.log_prob(jnp.asarray(VALUES))
+    )
+    # Built from a traced k (an argument of jit): the same structure.
+    traced_treedef = {}
+
+    def build(rate, k):
+        built = ConditionedPoisson(rate, k=k, k_max=k_max)
+        traced_treedef["before"] = jax.tree.structure(built)
+        _methods_called(built)
+        traced_treedef["after"] = jax.tree.structure(built)
+        return built
+
+    returned = jax.jit(build)(rate, k)
+    assert traced_treedef == {"before": treedef, "after": treedef}
+    assert jax.tree.structure(returned) == treedef
+
+
+def test_a_distribution_is_a_jit_argument_and_a_scan_carry():
+    rate, k = jnp.asarray(RATES), jnp.asarray(KS)
+    d = ConditionedPoisson(rate, k=k)
+    value = jnp.asarray(VALUES)
+    expected = np.array([_scipy_log_prob(*args) for args in zip(RATES, KS, VALUES, strict=True)])
+    np.testing.assert_allclose(jax.jit(lambda d: d.log_prob(value))(d), expected, rtol=1e-12)
+
+    # Built outside with a concrete k, rebuilt in the body from the carried (traced) k.
+    def body(carry, scale):
+        new = ConditionedPoisson(carry.rate * scale, k=carry.k)
+        return new, new.log_prob(value)
+
+    scales = jnp.array([1.0, 2.0, 0.5])
+    final, log_probs = jax.lax.scan(body, d, scales)
+    cumulative = np.cumprod(np.asarray(scales))
+    # Only the proportions of the rates matter: a common scale leaves log_prob alone.
+    np.testing.assert_allclose(log_probs, np.broadcast_to(expected, (3, 4)), rtol=1e-12)
+    np.testing.assert_allclose(final.rate, RATES * cumulative[-1], rtol=1e-12)
+    np.testing.assert_array_equal(final.k, KS)
+    assert jax.tree.structure(final) == jax.tree.structure(d)
+
+
+@pytest.mark.parametrize("name", ["rate", "k"])
+def test_vmap_over_as_numpyro_test_vmap_dist_uses_it(name):
+    # numpyro test/test_distributions.py::test_vmap_dist, with k passed by keyword.
+    params = {"rate": jnp.asarray(RATES), "k": jnp.asarray(KS)}
+
+    def make(rate, k):
+        return ConditionedPoisson(rate, k=k)
+
+    d = make(**params)
+    cases = [(0, 0), (0, vmap_over(d, **{name: 0}))]
+    if name == "rate":
+        cases.append((1, vmap_over(d, rate=1)))
+    for axis, out_axes in cases:
+        in_axes = {key: (axis if key == name else None) for key in params}
+        batched = {key: jnp.expand_dims(v, axis) if key == name else v for key, v in params.items()}
+        batched_d = jax.vmap(make, in_axes=(in_axes["rate"], in_axes["k"]), out_axes=out_axes)(
+            batched["rate"], batched["k"]
+        )
+        for field in ("rate", "k"):
+            field_axis = axis if (out_axes == 0 or field == name) else None
+            got = getattr(batched_d, field)
+            got = got if field_axis is None else jnp.take(got, 0, axis=field_axis)
+            np.testing.assert_array_equal(got, getattr(d, field))
+        samples = jax.vmap(lambda d: d.sample(jax.random.PRNGKey(0)), in_axes=(out_axes,))(
+            batched_d
+        )
+        assert samples.shape == (1,) + d.batch_shape + d.event_shape
+        np.testing.assert_array_equal(samples.sum(-1), np.broadcast_to(KS, (1, 4)))
+
+
+# Validation -------------------------------------------------------------------------------
+
+
+def test_validation_inside_jit_checks_closed_over_constants_and_never_converts_a_tracer():
+    rate, k, value = jnp.asarray(RATES), np.array(KS), jnp.asarray(VALUES)
+
+    @jax.jit
+    def everything(scale):
+        d = ConditionedPoisson(rate, k=k, validate_args=True)
+        traced = ConditionedPoisson(rate * scale, k=jnp.asarray(k) * 1, validate_args=True)
+        out = []
+        for dist_ in (d, traced):
+            out += [dist_.log_prob(value), dist_.mean, dist_.variance, dist_.log_constraint_prob()]
+            out.append(dist_.sample(jax.random.PRNGKey(0)))
+        out.append(d.entropy())
+        out.append(kl_divergence(d, traced))
+        return out
+
+    out = everything(1.0)
+    expected = np.array([_scipy_log_prob(*args) for args in zip(RATES, KS, VALUES, strict=True)])
+    np.testing.assert_allclose(out[0], expected, rtol=1e-12)
+    np.testing.assert_allclose(out[5], expected, rtol=1e-12)
+    # Concrete constants are still checked inside jit.
+    negative_rate, negative_k = -rate, -k
+    with pytest.raises(ValueError, match="rate"):
+        jax.jit(lambda s: ConditionedPoisson(negative_rate, k=k, validate_args=True).mean * s)(1.0)
+    with pytest.raises(ValueError, match=r"\bk\b"):
+        jax.jit(lambda s: ConditionedPoisson(rate, k=negative_k, validate_args=True).mean * s)(1.0)
+
+
+OUT_OF_SUPPORT = np.array([[1.0, 1.0, 0.0], [0.0, 1.0, 3.0], [2.0, 0.0, 0.0], [1.0, 2.0, 2.0]])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float64, jnp.float32, jnp.int32, jnp.int64])
+@pytest.mark.parametrize("path", ["eager", "jit-closed-over", "sample-shape", "k_max"])
+def test_out_of_support_values_warn_and_give_minus_inf(dtype, path):
+    rate, k = jnp.asarray(RATES), np.array(KS)
+    value = jnp.asarray(OUT_OF_SUPPORT, dtype)
+    k_max = 9 if path == "k_max" else None
+    d = ConditionedPoisson(rate, k=k, k_max=k_max, validate_args=True)
+    if path == "sample-shape":
+        value = jnp.stack([value, jnp.asarray(VALUES, dtype)])
+    with pytest.warns(UserWarning, match="Out-of-support values provided to log prob method"):
+        if path == "jit-closed-over":
+            log_prob = jax.jit(lambda s: ConditionedPoisson(rate, k=k).log_prob(value) * s)(1.0)
+        else:
+            log_prob = d.log_prob(value)
+    log_prob = np.asarray(log_prob).reshape(-1, 4)
+    assert log_prob[0, 0] == -math.inf and np.all(np.isfinite(log_prob[0, 1:]))
+    quiet = ConditionedPoisson(rate, k=k, k_max=k_max, validate_args=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert quiet.log_prob(value).reshape(-1, 4)[0, 0] == -math.inf
+
+
+@pytest.mark.parametrize("shape", [(2,), (4, 2), (4, 4), (3, 3), (2, 3, 3), (5, 4, 3, 1)], ids=str)
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_value_of_the_wrong_shape_is_a_value_error_naming_the_expected_shape(shape, jit):
+    d = ConditionedPoisson(jnp.asarray(RATES), k=KS)
+    log_prob = jax.jit(d.log_prob) if jit else d.log_prob
+    with pytest.raises(ValueError, match=r"expected a shape broadcasting with \(\.\.\., 4, 3\)"):
+        log_prob(jnp.zeros(shape))

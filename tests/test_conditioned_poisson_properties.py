@@ -451,15 +451,19 @@ def test_bad_rate_is_a_value_error_naming_rate(rate):
         numpyro_constrained.ConditionedPoisson(jnp.asarray(rate), k=2)
 
 
+# One rule for counts in both packages (constrained_ppl_common.arguments.check_count): a
+# whole-number float is the count (see test_whole_number_float_k_is_the_count_in_both_packages).
 BAD_K = {
     "negative": -1,
-    "python-float": 3.0,
     "non-integer-float": 2.5,
+    "python-nan": math.nan,
+    "complex": 2 + 0j,
     "bool": True,
     "numpy-bool": np.bool_(True),
     "negative-in-batch": np.array([1, -2]),
     "non-integer-array": np.array([1.0, 2.5]),
     "nan-array": np.array([1.0, math.nan]),
+    "complex-array": np.array([1 + 0j, 2 + 0j]),
 }
 
 
@@ -470,6 +474,35 @@ def test_bad_k_is_a_value_error_naming_k(k):
         pyro_constrained.ConditionedPoisson(torch.ones(2, 3), k=torch_k)
     with pytest.raises(ValueError, match=r"\bk\b"):
         numpyro_constrained.ConditionedPoisson(jnp.ones((2, 3)), k=k)
+
+
+WHOLE_NUMBER_K = {
+    "python-float": 3.0,
+    "numpy-float": np.float64(3.0),
+    "float-array": np.array([3.0, 0.0]),
+    "float32-array": np.array([3.0, 2.0], dtype=np.float32),
+}
+
+
+@pytest.mark.parametrize("k", WHOLE_NUMBER_K.values(), ids=WHOLE_NUMBER_K.keys())
+def test_whole_number_float_k_is_the_count_in_both_packages(k):
+    # Accepted as Binomial.total_count accepts it, and the same distribution as the int k:
+    # log_prob against SciPy's multinomial, samples summing to k.
+    rate = np.array([[0.5, 1.0, 2.5], [1.0, 2.0, 3.0]])
+    k_int = np.broadcast_to(np.asarray(k).astype(np.int64), (2,))
+    value = np.array([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+    value[1, 2] = k_int[1]
+    expected = [
+        stats.multinomial(k_int[b], rate[b] / rate[b].sum()).logpmf(value[b]) for b in (0, 1)
+    ]
+    torch_k = torch.as_tensor(k) if isinstance(k, np.ndarray) else k
+    d_torch = pyro_constrained.ConditionedPoisson(torch.tensor(rate), k=torch_k)
+    d_jax = numpyro_constrained.ConditionedPoisson(jnp.asarray(rate), k=k)
+    np.testing.assert_allclose(d_torch.log_prob(torch.tensor(value)), expected, rtol=1e-12)
+    np.testing.assert_allclose(d_jax.log_prob(jnp.asarray(value)), expected, rtol=1e-12)
+    np.testing.assert_array_equal(d_torch.sample((5,)).sum(-1), np.broadcast_to(k_int, (5, 2)))
+    z = d_jax.sample(jax.random.PRNGKey(0), (5,))
+    np.testing.assert_array_equal(z.sum(-1), np.broadcast_to(k_int, (5, 2)))
 
 
 @pytest.mark.parametrize(
