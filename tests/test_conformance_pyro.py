@@ -1018,6 +1018,65 @@ def test_validate_args_bad_parameters(cls, kwargs, range_only):
             assert torch.isnan(d.mean[out_of_range.expand(d.batch_shape)]).all()
 
 
+_COUNT_CAUSE = (
+    "counts do not follow the one rule of CONVENTIONS.md decision 2 yet "
+    "(constrained_ppl_common.arguments.check_count not used)"
+)
+_K_MAX_CAUSE = "no k_max keyword in the Pyro class yet (CONVENTIONS.md decision 3, API parity)"
+_COUNT_CASES = [case for case in CASES if case.id in ("ekb-unbatched", "cp-unbatched")]
+_known("test_count_rule", ("ekb-*-whole-float", "cp-*-whole-float"), _COUNT_CAUSE)
+_known("test_count_rule", ("ekb-*-float-tensor",), _COUNT_CAUSE)
+_known("test_k_max", ("ekb", "cp"), _K_MAX_CAUSE)
+
+_COUNTS = [
+    # (tag, k given for the case's k = K, whether it is a count)
+    ("long-tensor", lambda k: torch.tensor(k), True),
+    ("whole-float", lambda k: float(k), True),
+    ("float-tensor", lambda k: torch.tensor(float(k)), True),
+    ("fraction-validate", lambda k: k + 0.5, False),
+    ("fraction-novalidate", lambda k: k + 0.5, False),
+    ("bool", lambda k: True, False),
+    ("nan-validate", lambda k: math.nan, False),
+    ("nan-novalidate", lambda k: math.nan, False),
+]
+
+
+@pytest.mark.parametrize(
+    "case,count",
+    _params("test_count_rule", _COUNT_CASES, [(tag, (f, ok)) for tag, f, ok in _COUNTS]),
+)
+def test_count_rule(case, count, request):
+    """CONVENTIONS.md decision 2, for EKB's and CP's k: an int, an integer tensor or a
+    whole-number float (as ``Binomial.total_count``) is the count; a fraction, a bool or NaN
+    is a ValueError whatever validate_args says."""
+    make_k, is_count = count
+    validate = not request.node.callspec.id.endswith("-novalidate")
+    params = case.params()
+    k = params.pop("k")
+    if is_count:
+        d = case.cls(**params, k=make_k(k), validate_args=validate)
+        reference = case.cls(**params, k=k)
+        x = _valid_value(case, reference)
+        torch.testing.assert_close(d.log_prob(x), reference.log_prob(x))
+        torch.testing.assert_close(d.mean, reference.mean)
+    else:
+        with pytest.raises(ValueError):
+            case.cls(**params, k=make_k(k), validate_args=validate)
+
+
+@pytest.mark.parametrize("case", _params("test_k_max", _COUNT_CASES))
+def test_k_max(case):
+    """CONVENTIONS.md decision 3: Pyro accepts ``k_max`` (API parity with NumPyro) and
+    checks it against a concrete k."""
+    params = case.params()
+    k = params["k"]
+    d = case.cls(**params, k_max=k + 1)
+    x = _valid_value(case, d)
+    torch.testing.assert_close(d.log_prob(x), case.cls(**params).log_prob(x))
+    with pytest.raises(ValueError):
+        case.cls(**params, k_max=k - 1)
+
+
 @pytest.mark.parametrize("case", _params("test_out_of_support_validation_on"))
 def test_out_of_support_validation_on(case):
     d = case.dist(validate_args=True)
