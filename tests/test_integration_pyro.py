@@ -82,7 +82,8 @@ def _guide_dist(name: str):
         return ConditionedPoisson(rate, k=K_COUNTS)
     loc = pyro.param("q_loc", torch.tensor([[0.5, -0.5, 1.0, 0.0], [1.0, 0.0, 0.0, -1.0]]))
     scale = pyro.param("q_scale", torch.full((2, 4), 0.7), constraint=constraints.positive)
-    return LinearConstrainedNormal(loc, scale, A=LCN_A, k=LCN_K)
+    estimator = "pathwise" if name == "lcn-pathwise" else "marginal_expectation"
+    return LinearConstrainedNormal(loc, scale, A=LCN_A, k=LCN_K, grad_estimator=estimator)
 
 
 def _model_and_guide(name: str, observed: bool = True):
@@ -131,13 +132,25 @@ _LCN_JIT = (
 )
 
 KNOWN_FAILURES = {
-    "test_jit_elbo_matches_eager": {"lcn-*": _LCN_JIT},
-    "test_jit_elbo_matches_closed_form": {"lcn-*": _LCN_JIT},
+    # With grad_estimator="pathwise" the sampler runs with autograd on and takes the
+    # out-of-place branch, so "lcn-pathwise" works today.
+    "test_jit_elbo_matches_eager": {"lcn-trace": _LCN_JIT, "lcn-graph": _LCN_JIT},
+    "test_jit_elbo_matches_closed_form": {
+        "lcn-trace": _LCN_JIT,
+        "lcn-meanfield": _LCN_JIT,
+        "lcn-graph": _LCN_JIT,
+    },
+    # (lcn-meanfield passes there: the prior-only model never uses the sample, and the
+    # trace drops the failing op.)
     "test_jit_svi_reduces_kl": {"lcn-trace": _LCN_JIT, "lcn-graph": _LCN_JIT},
 }
 
+# "lcn" is the default straight-through guide (grad_estimator="marginal_expectation"),
+# "lcn-pathwise" the exact reparameterisation.
+NAMES = ("ekb", "lcn", "lcn-pathwise", "cp")
 
-def _params(test: str, names=("ekb", "lcn", "cp"), elbos=tuple(ELBO_PAIRS)):
+
+def _params(test: str, names=NAMES, elbos=tuple(ELBO_PAIRS)):
     marks = KNOWN_FAILURES.get(test, {})
     out = []
     for name in names:
@@ -250,14 +263,23 @@ def test_jit_svi_reduces_kl(name, elbo_name):
     svi = SVI(
         model,
         guide,
-        Adam({"lr": 0.2}),
-        jit_cls(num_particles=1, max_plate_nesting=1, ignore_jit_warnings=True),
+        Adam({"lr": 0.1}),
+        jit_cls(
+            num_particles=16,
+            vectorize_particles=True,
+            max_plate_nesting=1,
+            ignore_jit_warnings=True,
+        ),
     )
     before = float(_closed_form_loss(name, observed=False))
-    losses = [svi.step() for _ in range(6)]
+    losses = [svi.step() for _ in range(10)]
     after = float(_closed_form_loss(name, observed=False))
     assert all(math.isfinite(loss) for loss in losses)
-    assert after < 0.7 * before, (before, after)
+    # Measured with the eager ELBOs over 5 seeds: after / before is 0.09-0.18 for every
+    # guide but LCN's straight-through one with a Monte Carlo KL (0.39-0.76: its sample
+    # passes a gradient to the mean only, so the scales learn from the entropy term alone).
+    biased = name == "lcn" and elbo_name != "meanfield"
+    assert after < (0.9 if biased else 0.5) * before, (before, after)
 
 
 @pytest.mark.parametrize("name", ["ekb", "lcn", "cp"])
