@@ -301,10 +301,6 @@ _VALIDATE = [("validate", True), ("novalidate", False)]
 # Helpers
 
 
-def _batch(case: Case) -> torch.Size:
-    return case.dist(validate_args=False).batch_shape
-
-
 def _counts(case: Case, batch_shape) -> torch.Tensor:
     return torch.as_tensor(case.params()["k"]).expand(batch_shape)
 
