@@ -407,7 +407,7 @@ def _shape_types():
 # ------------------------------------------------------------------------------------------
 # Constraints: torch's test_params_constraints / test_support_constraints / attributes
 
-_known("test_arg_constraints_event_dims", ("ekb", "cp"), _EVENT_DIM_CAUSE)
+_known("test_arg_constraints_event_dims", ("ekb",), _EVENT_DIM_CAUSE)
 _known("test_arg_constraints_event_dims", ("ekb",), _EKB_NO_K_CONSTRAINT)
 
 
@@ -426,9 +426,6 @@ def test_arg_constraints_event_dims(case):
 
 _known("test_params_constraints", ("ekb-batched", "ekb-per-batch-k"), _EVENT_DIM_CAUSE)
 _known("test_params_constraints", ("ekb-k0", "ekb-probs", "ekb-f64"), _EVENT_DIM_CAUSE)
-_known("test_params_constraints", ("cp-batched", "cp-per-batch-k"), _EVENT_DIM_CAUSE)
-# cp-singleton passes by accident: rate's shape (2, 1, 4) broadcasts with the batch (2, 1).
-_known("test_params_constraints", ("cp-k0", "cp-f64"), _EVENT_DIM_CAUSE)
 
 
 @pytest.mark.parametrize("case", _params("test_params_constraints"))
@@ -561,17 +558,11 @@ def _indices(shape):
     ]
 
 
-# With validation on, torch's _validate_sample catches what EKB and LCN miss; CP checks the
-# event shape itself but not the batch.
+# With validation on, torch's _validate_sample catches what EKB and LCN miss.
 _known("test_score_errors_event_dim_mismatch", ("ekb-*-novalidate",), _SHAPE_CAUSE)
 _known("test_score_errors_event_dim_mismatch", ("lcn-*-novalidate",), _SHAPE_CAUSE)
 _known("test_score_errors_non_broadcastable_data_shape", ("ekb-*-novalidate",), _SHAPE_CAUSE)
 _known("test_score_errors_non_broadcastable_data_shape", ("lcn-*-novalidate",), _SHAPE_CAUSE)
-_known(
-    "test_score_errors_non_broadcastable_data_shape",
-    ("cp-batched", "cp-per-batch-k", "cp-k0", "cp-singleton", "cp-f64"),
-    _SHAPE_CAUSE,
-)
 
 
 @pytest.mark.parametrize(
@@ -1020,9 +1011,9 @@ _COUNT_CAUSE = (
 )
 _K_MAX_CAUSE = "no k_max keyword in the Pyro class yet (CONVENTIONS.md decision 3, API parity)"
 _COUNT_CASES = [case for case in CASES if case.id in ("ekb-unbatched", "cp-unbatched")]
-_known("test_count_rule", ("ekb-*-whole-float", "cp-*-whole-float"), _COUNT_CAUSE)
+_known("test_count_rule", ("ekb-*-whole-float",), _COUNT_CAUSE)
 _known("test_count_rule", ("ekb-*-float-tensor",), _COUNT_CAUSE)
-_known("test_k_max", ("ekb", "cp"), _K_MAX_CAUSE)
+_known("test_k_max", ("ekb",), _K_MAX_CAUSE)
 
 _COUNTS = [
     # (tag, k given for the case's k = K, whether it is a count)
