@@ -129,7 +129,9 @@ def _(dist: ConditionedPoisson, target) -> jax.Array:
     if dist.k_max is None:
         raise ValueError("the expected L1 loss of ConditionedPoisson needs k_max when k is traced")
     target = jnp.asarray(target, dtype=dist.rate.dtype)
-    return _poisson_expected_l1(dist.rate, dist.k, target, k_max=dist.k_max)
+    loss = _poisson_expected_l1(dist.rate, dist.k, target, k_max=dist.k_max)
+    # NaN, not a finite number, where a traced k is negative or fractional.
+    return dist._mask_out_of_range_k(loss, jnp.nan, event=False)
 
 
 @expected_l2_loss.register

@@ -545,12 +545,13 @@ def test_traced_k_out_of_range_gives_minus_inf_and_nan_never_a_finite_number(k, 
         }
         if k_max is not None:
             out["entropy"] = d.entropy()
+            out["expected_l1"] = expected_l1_loss(d, jnp.ones(3))
         return out
 
     out = run(k)
     for name in ("log_prob", "log_constraint_prob"):
         assert np.all(np.asarray(out[name])[bad] == -math.inf), name
-    for name in ("mean", "variance", "kl", "entropy"):
+    for name in ("mean", "variance", "kl", "entropy", "expected_l1"):
         if name in out:
             x = np.asarray(out[name])
             assert np.all(np.isnan(x[bad])) and np.all(np.isfinite(x[~bad])), name
