@@ -571,12 +571,12 @@ class LinearConstrainedNormal(Distribution):
         self.A = A
         self.k = k
         self.grad_estimator = grad_estimator
+        super().__init__(batch_shape, (n,), validate_args=validate_args)
         cached = _precompute(self.loc, factor, A, k, diagonal=self._diagonal)
         singular_values = cached.pop("singular_values")
         for name, value in cached.items():
             setattr(self, name, value)
         self._leaf_batch_ndims = self._batch_ndims_of_leaves()
-        super().__init__(batch_shape, (n,), validate_args=validate_args)
         if validate:
             self._check_rank(singular_values)
 

@@ -418,7 +418,10 @@ class LinearConstrainedNormal(TorchDistribution):
         # ``covariance_matrix`` here is the conditional covariance (n x n, singular): the
         # arguments given are checked against their constraints below instead.
         super().__init__(batch_shape, torch.Size((n,)), validate_args=False)
-        self._validate_args = validate
+        if validate_args is None:
+            del self._validate_args  # follow the class-wide default, as torch does
+        else:
+            self._validate_args = validate_args
         if validate:
             factor_name, factor = (
                 ("scale", scale) if scale is not None else ("scale_tril", scale_tril)
