@@ -3,7 +3,9 @@
 Holds :class:`LinearConstrainedNormal`, its support constraint (the affine subspace
 ``{z : A z = k}``), the isometric bijection from ``R^(n - a)`` onto that subspace (registered
 with ``biject_to`` so that AutoGuides and NUTS can use the distribution as a latent site),
-its KL rule (registered with ``kl_divergence``) and its ``vmap_over`` rule.
+its KL rule (registered with ``kl_divergence``) and its ``vmap_over`` and
+``promote_batch_shape`` rules (used by ``jax.vmap`` with ``out_axes`` and by NumPyro's
+``scan``).
 """
 
 from __future__ import annotations
