@@ -269,8 +269,10 @@ class LinearConstrainedNormal(TorchDistribution):
     against its entry); the property :attr:`covariance_matrix` is the conditional
     covariance (rank n - a), not the argument.
 
-    **Tracing.** No operation writes into a tensor in place, so ``torch.jit.trace`` (Pyro's
-    ``JitTrace_ELBO`` and friends) records every step of sampling and scoring.
+    **Tracing.** No operation writes into a tensor in place, and the draw is detached (not
+    only computed under ``no_grad``, which a trace does not record), so what
+    ``torch.jit.trace`` records (Pyro's ``JitTrace_ELBO`` and friends) replays sampling and
+    scoring with the same values and gradients as eager execution.
 
     **Cost.** With a diagonal covariance (``scale``) construction is O(n a^2 + a^3) and every
     call O(n a); no n x n matrix is formed except by :attr:`covariance_matrix`. With a full
