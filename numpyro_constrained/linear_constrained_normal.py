@@ -3,25 +3,32 @@
 Holds :class:`LinearConstrainedNormal`, its support constraint (the affine subspace
 ``{z : A z = k}``), the isometric bijection from ``R^(n - a)`` onto that subspace (registered
 with ``biject_to`` so that AutoGuides and NUTS can use the distribution as a latent site),
-its KL rule (registered with ``kl_divergence``) and its ``vmap_over`` rule.
+its KL rule (registered with ``kl_divergence``) and its ``vmap_over`` and
+``promote_batch_shape`` rules (used by ``jax.vmap`` with ``out_axes`` and by NumPyro's
+``scan``).
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 import math
+import os
+import warnings
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpyro
 from jax import lax
 from numpyro.distributions import Distribution, Normal, constraints
 from numpyro.distributions.batch_util import _default_vmap_over, promote_batch_shape, vmap_over
 from numpyro.distributions.kl import kl_divergence
 from numpyro.distributions.transforms import Transform, biject_to
-from numpyro.distributions.util import lazy_property
 from numpyro.util import not_jax_tracer
+
+from constrained_ppl_common.arguments import check_value_shape
 
 GRAD_ESTIMATORS = ("marginal_expectation", "pathwise")
 
@@ -232,6 +239,16 @@ def _float_dtype(values):
     return jnp.result_type(*dtypes) if dtypes else jnp.result_type(float)
 
 
+def _stack_level_outside() -> int:
+    """The ``stacklevel`` of the first caller outside NumPyro and this package, where a
+    warning should point (``numpyro.util.find_stack_level`` skips NumPyro only)."""
+    inside = (os.path.dirname(numpyro.__file__), os.path.dirname(os.path.abspath(__file__)))
+    frame, level = inspect.currentframe(), 0
+    while frame is not None and inspect.getfile(frame).startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def _is_concrete(*arrays) -> bool:
     return all(not_jax_tracer(a) for a in arrays)
 
@@ -388,6 +405,33 @@ def _check_arguments(arguments: dict[str, jax.Array]) -> dict[str, jax.Array]:
     }
 
 
+@jax.jit
+def _row_singular_values(A: jax.Array) -> jax.Array:
+    """The singular values of each (..., a, n) ``A``, from the a x a factor ``R'`` of
+    ``A^T = Q' R'`` (as in :func:`_precompute`)."""
+    return jnp.linalg.svd(jnp.linalg.qr(jnp.swapaxes(A, -1, -2), mode="r"), compute_uv=False)
+
+
+def _concrete(value):
+    """``value`` where it is concrete, else None: a check on values runs only on concrete
+    arrays (NumPyro's rule; a tracer cannot be inspected)."""
+    return value if not_jax_tracer(value) else None
+
+
+# The number of trailing event dimensions of each pytree leaf of LinearConstrainedNormal
+# (``_factor`` is a vector of scales or a Cholesky factor, see ``_event_ndims``).
+_LEAF_EVENT_NDIMS = {
+    "loc": 1,
+    "A": 2,
+    "k": 1,
+    "_basis_t": 2,
+    "_r_inv_t": 2,
+    "_prior_variance": 1,
+    "_mean": 1,
+    "_log_normalizer": 0,
+}
+
+
 class LinearConstrainedNormal(Distribution):
     r"""A multivariate normal ``N(loc, Sigma)`` conditioned on the linear equalities ``A z = k``.
 
@@ -418,10 +462,12 @@ class LinearConstrainedNormal(Distribution):
     ``scipy.stats.multivariate_normal(mu_bar, Sigma_bar, allow_singular=True).logpdf(z)``, and
     for ``loc = 0``, ``Sigma = s^2 I`` and the default zero-sum constraint it equals
     ``numpyro.distributions.ZeroSumNormal(s, event_shape=(n,))``. It does not depend on a
-    choice of coordinates. A value off the subspace raises ``ValueError`` with validation on
-    (when the value is concrete; under ``jit`` it cannot be checked) and gets ``-inf``
-    otherwise. A value of another float dtype than the parameters is promoted
-    (``jnp.result_type``), and so is the result.
+    choice of coordinates. A value off the subspace gets ``-inf``; with validation on it also
+    emits NumPyro's own "Out-of-support values" ``UserWarning``, as NumPyro's distributions
+    do (when the value and the parameters are concrete; a tracer cannot be inspected). A
+    value whose shape does not end in ``(n,)`` or whose leading dimensions do not broadcast
+    with the batch shape is a ``ValueError`` naming the expected shape. A value of another
+    float dtype than the parameters is promoted (``jnp.result_type``), and so is the result.
 
     **Sampling** is exact, by Matheron's rule in whitened form (above). :meth:`sample`
     returns this sample carrying the gradient chosen by ``grad_estimator``:
@@ -435,8 +481,17 @@ class LinearConstrainedNormal(Distribution):
     **Validation** (``validate_args``, as NumPyro's default): NaN or +-inf in any parameter,
     a non-positive scale, a covariance that is not positive definite, an ``A`` that is
     rank-deficient or has a >= n rows, and shapes that do not fit raise ``ValueError``
-    naming the argument. Values are checked when concrete; under ``jit`` they are tracers and
-    are not (shapes always are). Parameters of different float dtypes are promoted together.
+    naming the argument. As in NumPyro's own ``validate_args``, the checks on values run
+    under ``jax.ensure_compile_time_eval()`` on concrete parameters only: constants closed
+    over inside ``jit`` or ``vmap`` are still checked, tracers are skipped (shapes always
+    are checked). Parameters of different float dtypes are promoted together.
+
+    **Pytree.** The leaves are the parameters (``loc``, the factor of Sigma, ``A``, ``k``) and
+    the quantities precomputed from them, all set by ``__init__``: the tree structure is the
+    same before and after any method call, so a distribution can be a ``jit`` argument or a
+    ``lax.scan`` carry. ``scale`` and ``scale_tril`` are computed from the stored factor on
+    each access. ``arg_constraints`` describe the constructor's arguments; the property
+    :attr:`covariance_matrix` is the conditional covariance (rank n - a), not the argument.
 
     **Cost.** With a diagonal covariance (``scale``) construction is O(n a^2 + a^3) and every
     call O(n a); no n x n matrix is formed except by :attr:`covariance_matrix`. With a full
@@ -448,24 +503,30 @@ class LinearConstrainedNormal(Distribution):
     :param scale_tril: lower Cholesky factor of the unconditional covariance, (..., n, n).
         Exactly one of ``scale`` / ``covariance_matrix`` / ``scale_tril`` is given.
     :param A: constraint matrix of shape (..., a, n) with rank a < n; default one row of ones.
-    :param k: right-hand side of shape (..., a); default zeros (with the default ``A``: the
-        zero-sum constraint).
+    :param k: right-hand side of shape (..., a), real; a scalar or a last dimension of 1 is
+        broadcast to all a rows; its leading dimensions broadcast with the other parameters'
+        batch shapes. Default zeros (with the default ``A``: the zero-sum constraint).
     :param grad_estimator: ``"marginal_expectation"`` or ``"pathwise"``.
     """
 
     arg_constraints = {
         "loc": constraints.real_vector,
         "scale": constraints.independent(constraints.positive, 1),
+        "covariance_matrix": constraints.positive_definite,
         "scale_tril": constraints.lower_cholesky,
         "A": constraints.independent(constraints.real, 2),
         "k": constraints.real_vector,
     }
-    reparametrized_params = ["loc", "scale", "covariance_matrix", "scale_tril"]
+    # Samples are differentiable in every parameter (through the conditional mean, or the
+    # whole Matheron sample with the pathwise estimator).
+    reparametrized_params = list(arg_constraints)
     has_rsample = True
+    # Only arrays that __init__ (and expand, tree_unflatten) always sets: no lazy cache whose
+    # presence would change the tree structure once computed (Distribution.tree_flatten reads
+    # self.__dict__). ``_factor`` is ``scale`` (diagonal) or ``scale_tril``.
     pytree_data_fields = (
         "loc",
-        "scale",
-        "scale_tril",
+        "_factor",
         "A",
         "k",
         "_basis_t",
@@ -474,7 +535,10 @@ class LinearConstrainedNormal(Distribution):
         "_mean",
         "_log_normalizer",
     )
-    pytree_aux_fields = ("grad_estimator", "_diagonal")
+    # ``_leaf_batch_ndims``: the number of batch dimensions of each data field as built
+    # (static, from shapes only), so that promote_batch_shape can tell the axes that scan or
+    # vmap stacked in front of a leaf from the leaf's own batch dimensions.
+    pytree_aux_fields = ("grad_estimator", "_diagonal", "_leaf_batch_ndims")
 
     def __init__(
         self,
@@ -495,6 +559,33 @@ class LinearConstrainedNormal(Distribution):
             )
         if sum(p is not None for p in (scale, covariance_matrix, scale_tril)) != 1:
             raise ValueError("exactly one of scale, covariance_matrix or scale_tril must be given")
+        # As NumPyro's validate_args: under compile-time evaluation, arrays closed over inside
+        # jit stay concrete through the conversions below and their values get checked;
+        # tracers are converted (and staged) as usual and only their shapes are checked.
+        with jax.ensure_compile_time_eval():
+            loc, factor, A, k, batch_shape = self._arguments(
+                loc, scale, covariance_matrix, scale_tril, A, k, validate
+            )
+        n = loc.shape[-1]
+        self.loc = jnp.broadcast_to(loc, batch_shape + (n,))
+        self._factor = factor
+        self._diagonal = scale is not None
+        self.A = A
+        self.k = k
+        self.grad_estimator = grad_estimator
+        super().__init__(batch_shape, (n,), validate_args=validate_args)
+        cached = _precompute(self.loc, factor, A, k, diagonal=self._diagonal)
+        singular_values = cached.pop("singular_values")
+        for name, value in cached.items():
+            setattr(self, name, value)
+        self._leaf_batch_ndims = self._batch_ndims_of_leaves()
+        if validate:
+            self._check_rank(singular_values)
+
+    @staticmethod
+    def _arguments(loc, scale, covariance_matrix, scale_tril, A, k, validate: bool):
+        """``(loc, factor, A, k, batch_shape)`` from the constructor's arguments, converted
+        to one float dtype and checked (shapes always, values where concrete)."""
         dtype = _float_dtype((loc, scale, covariance_matrix, scale_tril, A, k))
         loc = _float_array(loc, "loc", dtype)
         if loc.ndim < 1:
@@ -511,8 +602,8 @@ class LinearConstrainedNormal(Distribution):
                 raise ValueError(f"scale must have last dimension {n} (or 1), got {scale.shape}")
             if validate:
                 _check_finite("scale", scale)
-            scale = jnp.broadcast_to(scale, scale.shape[:-1] + (n,))
-            cov_batch_shape = scale.shape[:-1]
+            factor = jnp.broadcast_to(scale, scale.shape[:-1] + (n,))
+            factor_batch_shape = factor.shape[:-1]
         else:
             name = "covariance_matrix" if covariance_matrix is not None else "scale_tril"
             matrix = covariance_matrix if covariance_matrix is not None else scale_tril
@@ -522,16 +613,14 @@ class LinearConstrainedNormal(Distribution):
             if validate:
                 _check_finite(name, matrix)
             if covariance_matrix is not None:
-                if (
-                    validate
-                    and _is_concrete(matrix)
-                    and not np.all(constraints.positive_definite(matrix))
-                ):
+                # A tracer gives a traced answer: checked only where concrete.
+                positive_definite = _concrete(constraints.positive_definite(matrix))
+                if validate and positive_definite is not None and not np.all(positive_definite):
                     raise ValueError("covariance_matrix must be symmetric positive definite")
-                scale_tril = jnp.linalg.cholesky(matrix)
+                factor = jnp.linalg.cholesky(matrix)
             else:
-                scale_tril = matrix
-            cov_batch_shape = scale_tril.shape[:-2]
+                factor = matrix
+            factor_batch_shape = factor.shape[:-2]
 
         if A is None:
             A = jnp.ones((1, n), dtype=dtype)
@@ -554,73 +643,100 @@ class LinearConstrainedNormal(Distribution):
             k = jnp.zeros(num_rows, dtype=dtype)
         else:
             k = _float_array(k, "k", dtype)
-            if k.ndim == 0 and num_rows == 1:
+            # A real right-hand side broadcasts as NumPy does: a scalar or a last dimension
+            # of 1 gives every row the same value.
+            if k.ndim == 0:
                 k = k[None]
-            if k.ndim < 1 or k.shape[-1] != num_rows:
+            if k.shape[-1] not in (1, num_rows):
                 raise ValueError(
-                    f"k must have shape (..., a) with a = {num_rows} (the rows of A), "
-                    f"got {tuple(k.shape)}"
+                    f"k must have shape (..., a) with a = {num_rows} (the rows of A), or a "
+                    f"last dimension of 1, got {tuple(k.shape)}"
                 )
             if validate:
                 _check_finite("k", k)
+            k = jnp.broadcast_to(k, k.shape[:-1] + (num_rows,))
 
+        batch_shapes = {
+            "loc": loc.shape[:-1],
+            "scale" if scale is not None else "scale_tril": factor_batch_shape,
+            "A": A.shape[:-2],
+            "k": k.shape[:-1],
+        }
         try:
-            batch_shape = jnp.broadcast_shapes(
-                loc.shape[:-1], cov_batch_shape, A.shape[:-2], k.shape[:-1]
-            )
-        except ValueError as error:
+            batch_shape = jnp.broadcast_shapes(*batch_shapes.values())
+        except ValueError:
+            shapes = ", ".join(f"{name} {shape}" for name, shape in batch_shapes.items())
             raise ValueError(
-                f"the batch shapes of the parameters do not broadcast: {error}"
+                f"the batch shapes of the parameters do not broadcast: {shapes}"
             ) from None
+        return loc, factor, A, k, tuple(batch_shape)
 
-        self.loc = jnp.broadcast_to(loc, batch_shape + (n,))
-        if scale is not None:
-            self.scale = scale
-        else:
-            self.scale_tril = scale_tril
-        self._diagonal = scale is not None
-        self.A = A
-        self.k = k
-        self.grad_estimator = grad_estimator
-        super().__init__(batch_shape, (n,), validate_args=validate_args)
+    def _check_rank(self, singular_values: jax.Array) -> None:
+        """``ValueError`` unless ``A`` has full row rank (when ``A`` is concrete)."""
+        A = self.A
+        with jax.ensure_compile_time_eval():
+            if not not_jax_tracer(singular_values):
+                if not not_jax_tracer(A):
+                    return
+                # Traced only because this runs inside jit or vmap: A itself is a constant.
+                singular_values = _row_singular_values(A)
+            singular_values = np.asarray(singular_values)
+        tolerance = singular_values[..., :1] * max(A.shape[-2:]) * np.finfo(A.dtype).eps
+        if not np.all(singular_values[..., -1:] > tolerance):
+            raise ValueError(f"A must have full row rank {A.shape[-2]}; it is rank-deficient")
 
-        factor = scale if scale is not None else scale_tril
-        cached = _precompute(self.loc, factor, A, k, diagonal=self._diagonal)
-        singular_values = cached.pop("singular_values")
-        if validate and _is_concrete(singular_values):
-            tolerance = singular_values[..., :1] * max(A.shape[-2:]) * jnp.finfo(dtype).eps
-            if not np.all(singular_values[..., -1:] > tolerance):
-                raise ValueError(f"A must have full row rank {num_rows}; it is rank-deficient")
-        for name, value in cached.items():
-            setattr(self, name, value)
+    def _event_ndims(self, name: str) -> int:
+        if name == "_factor":
+            return 1 if self._diagonal else 2
+        return _LEAF_EVENT_NDIMS[name]
+
+    def _batch_ndims_of_leaves(self) -> tuple[int, ...]:
+        return tuple(
+            jnp.ndim(self.__dict__[name]) - self._event_ndims(name)
+            for name in self.pytree_data_fields
+        )
+
+    def get_args(self) -> dict[str, jax.Array]:
+        """The parameters as held: ``loc``, ``scale`` or ``scale_tril`` (a covariance_matrix
+        argument is held as its Cholesky factor and checked at construction), ``A``, ``k``."""
+        factor_name = "scale" if self._diagonal else "scale_tril"
+        return {"loc": self.loc, factor_name: self._factor, "A": self.A, "k": self.k}
 
     def validate_args(self, strict: bool = True) -> None:
         """NumPyro's argument check, with every constraint evaluated in one jitted call.
 
-        Same messages as the base class; one compiled program per parameter shape instead
-        of a dozen small eager operations, which dominate the cost of a new shape on CPU.
+        Same messages and the same rule for tracers as the base class (it runs under
+        ``jax.ensure_compile_time_eval()``, so constants closed over inside ``jit`` are
+        checked, and tracers are skipped, or raise ``RuntimeError`` when ``strict``); one
+        compiled program per parameter shape instead of a dozen small eager operations,
+        which dominate the cost of a new shape on CPU.
         """
-        arguments = self.get_args()
-        if not _is_concrete(*arguments.values()):
-            if strict:
+        with jax.ensure_compile_time_eval():
+            arguments = self.get_args()
+            concrete = {name: value for name, value in arguments.items() if not_jax_tracer(value)}
+            if strict and len(concrete) < len(arguments):
                 raise RuntimeError("Cannot validate arguments inside jitted code.")
-            return
-        valid = _check_arguments(arguments)
-        for name, is_valid in valid.items():
-            if not bool(is_valid):
-                raise ValueError(
-                    f"{type(self).__name__} distribution got invalid {name} parameter."
-                )
+            valid = _check_arguments(concrete) if concrete else {}
+            for name, is_valid in valid.items():
+                if not np.all(np.asarray(is_valid)):
+                    raise ValueError(
+                        f"{type(self).__name__} distribution got invalid {name} parameter."
+                    )
 
-    @lazy_property
+    @property
     def scale_tril(self) -> jax.Array:
-        """Lower Cholesky factor of the unconditional covariance Sigma (n x n)."""
-        return self.scale[..., :, None] * jnp.eye(self.scale.shape[-1], dtype=self.scale.dtype)
+        """Lower Cholesky factor of the unconditional covariance Sigma (n x n); formed on
+        each access when the covariance is diagonal."""
+        if not self._diagonal:
+            return self._factor
+        return self._factor[..., :, None] * jnp.eye(
+            self._factor.shape[-1], dtype=self._factor.dtype
+        )
 
-    @lazy_property
+    @property
     def scale(self) -> jax.Array:
         """Unconditional standard deviations, sqrt(diag Sigma)."""
-        return jnp.sqrt(self._prior_variance)
+        return self._factor if self._diagonal else jnp.sqrt(self._prior_variance)
 
     @classmethod
     def infer_shapes(
@@ -646,6 +762,7 @@ class LinearConstrainedNormal(Distribution):
         new._mean = jnp.broadcast_to(self._mean, batch_shape + event)
         new._log_normalizer = jnp.broadcast_to(self._log_normalizer, batch_shape)
         new._batch_shape = batch_shape
+        new._leaf_batch_ndims = new._batch_ndims_of_leaves()
         return new
 
     @constraints.dependent_property(is_discrete=False, event_dim=1)
@@ -664,7 +781,7 @@ class LinearConstrainedNormal(Distribution):
     @property
     def variance(self) -> jax.Array:
         """``diag Sigma_bar = diag Sigma - ||(L Q)_i||^2``, O(n a), clamped at 0."""
-        factor_basis_t = _factor_basis_t(self._basis_t, self._factor(), self._diagonal)
+        factor_basis_t = _factor_basis_t(self._basis_t, self._factor, self._diagonal)
         variance = self._prior_variance - jnp.sum(jnp.square(factor_basis_t), -2)
         return jnp.broadcast_to(jnp.maximum(variance, 0), self.batch_shape + self.event_shape)
 
@@ -672,7 +789,7 @@ class LinearConstrainedNormal(Distribution):
     def covariance_matrix(self) -> jax.Array:
         """The conditional covariance ``Sigma_bar = L L^T - (L Q)(L Q)^T`` (n x n, rank
         n - a): forms an n x n matrix."""
-        factor_basis_t = _factor_basis_t(self._basis_t, self._factor(), self._diagonal)
+        factor_basis_t = _factor_basis_t(self._basis_t, self._factor, self._diagonal)
         sigma = self.scale_tril @ jnp.swapaxes(self.scale_tril, -1, -2)
         bar = sigma - jnp.swapaxes(factor_basis_t, -1, -2) @ factor_basis_t
         bar = 0.5 * (bar + jnp.swapaxes(bar, -1, -2))
@@ -693,24 +810,27 @@ class LinearConstrainedNormal(Distribution):
         dim = self.event_shape[0] - self.A.shape[-2]
         return jnp.broadcast_to(0.5 * dim - self._log_normalizer, self.batch_shape)
 
-    def _factor(self) -> jax.Array:
-        return self.scale if self._diagonal else self.scale_tril
-
     def log_prob(self, value: jax.Array) -> jax.Array:
-        """Log density with respect to the Hausdorff measure on ``{z : A z = k}``."""
+        """Log density with respect to the Hausdorff measure on ``{z : A z = k}``; ``-inf``
+        off it (with NumPyro's "Out-of-support values" warning when validating)."""
+        value = jnp.asarray(value)
+        check_value_shape(jnp.shape(value), self.batch_shape, self.event_shape, type(self).__name__)
         log_prob, on_subspace = _log_prob_kernel(
-            jnp.asarray(value),
+            value,
             self._mean,
-            self._factor(),
+            self._factor,
             self._log_normalizer,
             self.A,
             self.k,
             diagonal=self._diagonal,
         )
+        # NumPyro's own rule (Distribution._validate_sample): warn for concrete values, and
+        # score them -inf, which the kernel already does with or without validation.
         if self._validate_args and not_jax_tracer(on_subspace) and not np.all(on_subspace):
-            raise ValueError(
-                "log_prob: the value is not on the support {z : A z = k} of "
-                "LinearConstrainedNormal (residual above the tolerance)"
+            warnings.warn(
+                "Out-of-support values provided to log prob method. "
+                "The value argument should be within the support.",
+                stacklevel=_stack_level_outside(),
             )
         return log_prob
 
@@ -724,7 +844,7 @@ class LinearConstrainedNormal(Distribution):
         return _matheron_kernel(
             noise,
             self._mean,
-            self._factor(),
+            self._factor,
             self.A,
             self.k,
             self._basis_t,
@@ -752,35 +872,80 @@ def _vmap_over_linear_constrained_normal(
     A=None,
     k=None,
 ):
-    # The cached fields are batched along the mapped axis exactly when a parameter they are
-    # computed from is.
-    def first(*axes):
-        return next((axis for axis in axes if axis is not None), None)
+    """The axes of ``dist``'s leaves when the given constructor arguments are mapped.
 
-    covariance_axis = first(scale, covariance_matrix, scale_tril)
-    gain_axis = first(covariance_axis, A)
+    A parameter's own leaf gets its axis (``scale``, ``covariance_matrix`` and
+    ``scale_tril`` all map the stored factor). A precomputed leaf is mapped, at axis 0, when a
+    parameter it is computed from is: its own batch dimensions need not line up with a
+    parameter's (the log normalizer of a (a, n) ``A`` mapped at axis 1 is a scalar), and any
+    axis is right as long as the same ``out_axes`` is used to map over the result, as
+    NumPyro's own rules do (``Beta._dirichlet``).
+    """
+    factor = next(
+        (axis for axis in (scale, covariance_matrix, scale_tril) if axis is not None), None
+    )
+
+    def derived(*axes):
+        return 0 if any(axis is not None for axis in axes) else None
+
     return _default_vmap_over(
         dist,
         loc=loc,
-        scale=covariance_axis,
-        scale_tril=covariance_axis,
+        _factor=factor,
         A=A,
         k=k,
-        _basis_t=gain_axis,
-        _r_inv_t=gain_axis,
-        _prior_variance=covariance_axis,
-        _mean=first(loc, gain_axis, k),
-        _log_normalizer=gain_axis,
+        _basis_t=derived(factor, A),
+        _r_inv_t=derived(factor, A),
+        _prior_variance=derived(factor),
+        _mean=derived(loc, factor, A, k),
+        _log_normalizer=derived(factor, A),
     )
 
 
 @promote_batch_shape.register
 def _promote_batch_shape_linear_constrained_normal(dist: LinearConstrainedNormal):
-    # The default rule reads every arg_constraints attribute, and with a diagonal covariance
-    # ``scale_tril`` would form an n x n matrix; the conditional mean carries every batch
-    # dimension of the parameters.
+    """The batch shape after ``scan`` or ``vmap`` stacked leaves along new leading axes.
+
+    The default rule cannot be used: it reads every ``arg_constraints`` attribute (with a
+    diagonal covariance ``scale_tril`` and ``covariance_matrix`` would form n x n matrices,
+    and the latter is the conditional covariance, broadcast to the stale batch shape), and it
+    assumes every parameter is broadcast to the full batch shape, which the leaves here are
+    not (an ``A`` shared by the batch stays (a, n): that is what keeps its products one
+    matrix-matrix product). So the axes each leaf gained are its dimensions beyond those it
+    was built with (``_leaf_batch_ndims``); the new batch shape is their broadcast followed
+    by the old batch shape; and every leaf is reshaped (singleton axes between the stacked
+    axes and its own, no copy of data) so that all of them line up with the new batch shape
+    (a stacked (T, a, n) ``A`` beside a stacked (T, B, n) ``loc`` would otherwise broadcast
+    T against B).
+    """
+    names = dist.pytree_data_fields
+    old_ndim = len(dist.batch_shape)
+    leaves = {name: dist.__dict__[name] for name in names}
+    gained = {
+        name: jnp.ndim(leaf) - dist._event_ndims(name) - built
+        for (name, leaf), built in zip(leaves.items(), dist._leaf_batch_ndims, strict=True)
+    }
+    if not any(gained.values()):
+        return copy.copy(dist)
+    new_axes = jnp.broadcast_shapes(
+        *(jnp.shape(leaf)[: gained[name]] for name, leaf in leaves.items())
+    )
+    batch_shape = tuple(new_axes) + tuple(dist.batch_shape)
     new = copy.copy(dist)
-    new._batch_shape = jnp.broadcast_shapes(dist.batch_shape, dist._mean.shape[:-1])
+    for name, leaf in leaves.items():
+        shape = jnp.shape(leaf)
+        stacked, own = shape[: gained[name]], shape[gained[name] :]
+        own_batch_ndim = len(own) - dist._event_ndims(name)
+        aligned = (
+            (1,) * (len(new_axes) - len(stacked))
+            + stacked
+            + (1,) * (old_ndim - own_batch_ndim)
+            + own
+        )
+        if aligned != shape:
+            setattr(new, name, jnp.reshape(leaf, aligned))
+    new._batch_shape = batch_shape
+    new._leaf_batch_ndims = new._batch_ndims_of_leaves()
     return new
 
 
@@ -820,7 +985,7 @@ def _kl_linear_constrained_normal(
     """
     _same_constraint(p, q)
     mean_diff = p.mean - q.mean
-    p_factor_basis_t = _factor_basis_t(p._basis_t, p._factor(), p._diagonal)
+    p_factor_basis_t = _factor_basis_t(p._basis_t, p._factor, p._diagonal)
     if p._diagonal and q._diagonal:
         q_variance = jnp.square(q.scale)
         trace = jnp.sum(p._prior_variance / q_variance, -1) - jnp.sum(

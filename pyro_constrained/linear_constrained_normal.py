@@ -17,6 +17,8 @@ from torch.distributions.kl import register_kl
 from torch.distributions.transforms import Transform
 from torch.distributions.utils import _standard_normal, lazy_property
 
+from constrained_ppl_common.arguments import check_value_shape
+
 GRAD_ESTIMATORS = ("marginal_expectation", "pathwise")
 
 
@@ -246,7 +248,9 @@ class LinearConstrainedNormal(TorchDistribution):
     for ``loc = 0``, ``Sigma = s^2 I`` and the default zero-sum constraint it equals NumPyro's
     ``ZeroSumNormal(s, event_shape=(n,))``. It does not depend on a choice of coordinates.
     A value off the subspace raises ``ValueError`` with validation on and gets ``-inf``
-    with it off. A value of another float dtype than the parameters is promoted
+    with it off. A value whose shape does not end in ``(n,)`` or whose leading dimensions do
+    not broadcast with the batch shape is a ``ValueError`` naming the expected shape, with
+    validation on or off. A value of another float dtype than the parameters is promoted
     (``torch.promote_types``), and so is the result.
 
     **Sampling** is exact, by Matheron's rule in whitened form (above). :meth:`rsample`
@@ -261,6 +265,14 @@ class LinearConstrainedNormal(TorchDistribution):
     non-positive scale, a covariance that is not positive definite, an ``A`` that is
     rank-deficient or has a >= n rows, and shapes that do not fit raise ``ValueError``
     naming the argument. Parameters of different float dtypes are promoted together.
+    ``arg_constraints`` describe the constructor's arguments (each argument given is checked
+    against its entry); the property :attr:`covariance_matrix` is the conditional
+    covariance (rank n - a), not the argument.
+
+    **Tracing.** No operation writes into a tensor in place, and the draw is detached (not
+    only computed under ``no_grad``, which a trace does not record), so what
+    ``torch.jit.trace`` records (Pyro's ``JitTrace_ELBO`` and friends) replays sampling and
+    scoring with the same values and gradients as eager execution.
 
     **Cost.** With a diagonal covariance (``scale``) construction is O(n a^2 + a^3) and every
     call O(n a); no n x n matrix is formed except by :attr:`covariance_matrix`. With a full
@@ -272,14 +284,16 @@ class LinearConstrainedNormal(TorchDistribution):
     :param scale_tril: lower Cholesky factor of the unconditional covariance, (..., n, n).
         Exactly one of ``scale`` / ``covariance_matrix`` / ``scale_tril`` is given.
     :param A: constraint matrix of shape (..., a, n) with rank a < n; default one row of ones.
-    :param k: right-hand side of shape (..., a); default zeros (with the default ``A``: the
-        zero-sum constraint).
+    :param k: right-hand side of shape (..., a), real; a scalar or a last dimension of 1 is
+        broadcast to all a rows; its leading dimensions broadcast with the other parameters'
+        batch shapes. Default zeros (with the default ``A``: the zero-sum constraint).
     :param grad_estimator: ``"marginal_expectation"`` or ``"pathwise"``.
     """
 
     arg_constraints = {
         "loc": constraints.real_vector,
         "scale": constraints.independent(constraints.positive, 1),
+        "covariance_matrix": constraints.positive_definite,
         "scale_tril": constraints.lower_cholesky,
         "A": constraints.independent(constraints.real, 2),
         "k": constraints.real_vector,
@@ -366,23 +380,31 @@ class LinearConstrainedNormal(TorchDistribution):
             k = torch.zeros(num_rows, dtype=dtype, device=device)
         else:
             k = _as_float_tensor(k, "k", dtype, device)
-            if k.dim() == 0 and num_rows == 1:
+            # A real right-hand side broadcasts as torch does: a scalar or a last dimension
+            # of 1 gives every row the same value.
+            if k.dim() == 0:
                 k = k.unsqueeze(-1)
-            if k.dim() < 1 or k.shape[-1] != num_rows:
+            if k.shape[-1] not in (1, num_rows):
                 raise ValueError(
-                    f"k must have shape (..., a) with a = {num_rows} (the rows of A), "
-                    f"got {tuple(k.shape)}"
+                    f"k must have shape (..., a) with a = {num_rows} (the rows of A), or a "
+                    f"last dimension of 1, got {tuple(k.shape)}"
                 )
             if validate:
                 _check_finite("k", k)
+            k = k.expand(k.shape[:-1] + (num_rows,))
 
+        batch_shapes = {
+            "loc": loc.shape[:-1],
+            "scale" if scale is not None else "scale_tril": cov_batch_shape,
+            "A": A.shape[:-2],
+            "k": k.shape[:-1],
+        }
         try:
-            batch_shape = torch.broadcast_shapes(
-                loc.shape[:-1], cov_batch_shape, A.shape[:-2], k.shape[:-1]
-            )
-        except RuntimeError as error:
+            batch_shape = torch.broadcast_shapes(*batch_shapes.values())
+        except RuntimeError:
+            shapes = ", ".join(f"{name} {tuple(shape)}" for name, shape in batch_shapes.items())
             raise ValueError(
-                f"the batch shapes of the parameters do not broadcast: {error}"
+                f"the batch shapes of the parameters do not broadcast: {shapes}"
             ) from None
 
         self.loc = loc.expand(batch_shape + (n,))
@@ -394,7 +416,26 @@ class LinearConstrainedNormal(TorchDistribution):
         self.A = A
         self.k = k
         self.grad_estimator = grad_estimator
-        super().__init__(batch_shape, torch.Size((n,)), validate_args=validate_args)
+        # torch's own check reads every arg_constraints entry with getattr, and
+        # ``covariance_matrix`` here is the conditional covariance (n x n, singular): the
+        # arguments given are checked against their constraints below instead.
+        super().__init__(batch_shape, torch.Size((n,)), validate_args=False)
+        if validate_args is None:
+            del self._validate_args  # follow the class-wide default, as torch does
+        else:
+            self._validate_args = validate_args
+        if validate:
+            factor_name, factor = (
+                ("scale", scale) if scale is not None else ("scale_tril", scale_tril)
+            )
+            arguments = {"loc": self.loc, factor_name: factor, "A": A, "k": k}
+            for name, value in arguments.items():
+                if not bool(self.arg_constraints[name].check(value).all()):
+                    raise ValueError(
+                        f"{type(self).__name__}: parameter {name} (of shape "
+                        f"{tuple(value.shape)}) does not satisfy the constraint "
+                        f"{self.arg_constraints[name]!r}"
+                    )
 
         # A^T = Q' R': det(A A^T) = det(R')^2, and R' has the singular values of A.
         r_of_a = torch.linalg.qr(A.mT, mode="r").R
@@ -447,17 +488,13 @@ class LinearConstrainedNormal(TorchDistribution):
             return self._basis_t * self.scale.unsqueeze(-2)
         return self._basis_t @ self.scale_tril.mT
 
-    def _refine(self, z: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+    def _refine(self, z: torch.Tensor) -> torch.Tensor:
         """``z + K (k - A z)`` with ``K = L Q R^{-T}``: the Sigma^{-1}-orthogonal projection
-        onto ``{A z = k}``; Q is read once (it is (batch, a, n) when the scale is batched).
-        ``in_place`` writes the result into ``z`` (same kernel, same result)."""
+        onto ``{A z = k}``; Q is read once (it is (batch, a, n) when the scale is batched)."""
         coefficients = _rows_times(self._r_inv_t, self.k - _rows_times(self.A, z))
         direction = _combine_rows(coefficients, self._basis_t)
         if not self._diagonal:
-            direction = _rows_times(self.scale_tril, direction)
-            return z.add_(direction) if in_place else z + direction
-        if in_place:
-            return z.addcmul_(self.scale, direction)
+            return z + _rows_times(self.scale_tril, direction)
         return torch.addcmul(z, self.scale, direction)
 
     @lazy_property
@@ -555,6 +592,7 @@ class LinearConstrainedNormal(TorchDistribution):
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
         """Log density with respect to the Hausdorff measure on ``{z : A z = k}``."""
         value = torch.as_tensor(value, device=self.loc.device)
+        check_value_shape(value.shape, self.batch_shape, self.event_shape, type(self).__name__)
         dtype = self.loc.dtype
         if value.is_floating_point():
             dtype = torch.promote_types(value.dtype, dtype)
@@ -571,45 +609,43 @@ class LinearConstrainedNormal(TorchDistribution):
     def _matheron_sample(self, sample_shape: torch.Size) -> torch.Tensor:
         shape = self._extended_shape(sample_shape)
         noise = _standard_normal(shape, dtype=self.loc.dtype, device=self.loc.device)
-        return self._matheron_from_noise(noise, overwrite_noise=True)
+        return self._matheron_from_noise(noise)
 
-    def _matheron_from_noise(
-        self, noise: torch.Tensor, overwrite_noise: bool = False
-    ) -> torch.Tensor:
+    def _matheron_from_noise(self, noise: torch.Tensor) -> torch.Tensor:
         """Matheron's rule applied to standard normal ``noise`` of shape (..., n), in whitened
         form: ``z = mu_bar + L (noise - Q Q^T noise)``, then one refinement step.
 
         The projection is orthogonal, hence accurate however ill-conditioned ``A L`` is; the
         refinement step removes what rounding left of ``A z - k`` (see the class docstring).
-        Without autograd, and when ``overwrite_noise`` says ``noise`` (of the full shape) is
-        ours, the result is written into ``noise`` with the same kernels, hence bit for bit
-        the same: sampling is memory-bound, and every (sample, batch, n) buffer it does not
-        allocate brings it closer to the cost of an unconstrained sample.
+        Every step is out of place: ``torch.jit.trace`` does not record ``no_grad``, so a
+        write into an existing buffer (``out=``, ``sub_``) made safe by it is replayed with
+        inputs that require grad, which autograd refuses (Pyro's JIT ELBOs failed so). The
+        buffers it saved were a small part of the cost, which is reading the batched Q.
         """
-        in_place = overwrite_noise and not torch.is_grad_enabled()
-        removed = _combine_rows(_rows_times(self._basis_t, noise), self._basis_t)
-        projected = noise.sub_(removed) if in_place else noise - removed
+        projected = noise - _combine_rows(_rows_times(self._basis_t, noise), self._basis_t)
         if self._diagonal:
-            z = torch.addcmul(
-                self._mean, self.scale, projected, out=projected if in_place else None
-            )
+            z = torch.addcmul(self._mean, self.scale, projected)
         else:
             z = self._mean + _rows_times(self.scale_tril, projected)
-        return self._refine(z, in_place=in_place)
+        return self._refine(z)
 
     def rsample(self, sample_shape: tuple[int, ...] = ()) -> torch.Tensor:
         """An exact sample; its gradient is the one chosen by ``grad_estimator``."""
         sample_shape = torch.Size(sample_shape)
         if self.grad_estimator == "pathwise":
             return self._matheron_sample(sample_shape)
-        with torch.no_grad():
-            z = self._matheron_sample(sample_shape)
+        z = self.sample(sample_shape)
         proxy = self._mean.expand(z.shape)
         return z + (proxy - proxy.detach())
 
     def sample(self, sample_shape: tuple[int, ...] = ()) -> torch.Tensor:
+        """An exact sample, without gradient."""
         with torch.no_grad():
-            return self._matheron_sample(torch.Size(sample_shape))
+            z = self._matheron_sample(torch.Size(sample_shape))
+        # torch.jit.trace does not record no_grad (it only spares building the graph when
+        # run eagerly): the detach is what keeps a traced replay, as in Pyro's JIT ELBOs,
+        # from differentiating through the draw.
+        return z.detach()
 
 
 def _same_constraint(p: LinearConstrainedNormal, q: LinearConstrainedNormal) -> None:

@@ -1,5 +1,6 @@
 """LinearConstrainedNormal (NumPyro) against SciPy's singular normal, NumPyro's
-ZeroSumNormal and Monte Carlo; jit / vmap / grad."""
+ZeroSumNormal and Monte Carlo; jit / vmap / grad; NumPyro's conventions (parameter
+constraints, pytrees, vmap_over, promote_batch_shape / scan, validation under jit, NUTS)."""
 
 import math
 from functools import partial
@@ -9,10 +10,16 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro
 import pytest
+from jax import lax
 from numpyro import handlers
-from numpyro.distributions import ZeroSumNormal, kl_divergence
+from numpyro.contrib.control_flow import scan
+from numpyro.diagnostics import effective_sample_size
+from numpyro.distributions import ZeroSumNormal, constraints, kl_divergence
 from numpyro.distributions.batch_util import promote_batch_shape, vmap_over
+from numpyro.distributions.distribution import Distribution
 from numpyro.distributions.transforms import biject_to
+from numpyro.infer import MCMC, NUTS
+from numpyro.infer.util import log_density
 
 from numpyro_constrained import LinearConstrainedNormal
 from numpyro_constrained.losses import expected_l1_loss, expected_l2_loss
@@ -20,6 +27,15 @@ from tests.oracles import linear_gaussian as oracle
 
 CASES = oracle.CASES
 KEY = jax.random.PRNGKey(0)
+
+
+@pytest.fixture
+def validation_on():
+    """NumPyro's validation switched on for the test, and restored afterwards."""
+    previous = Distribution._validate_args
+    numpyro.enable_validation(True)
+    yield
+    numpyro.enable_validation(previous)
 
 
 def build(case, n=5, a=2, seed=0, dtype=jnp.float64, **kwargs):
@@ -333,11 +349,13 @@ def test_registered_bijection_is_an_isometry_onto_the_subspace():
     assert dist.support(dist.support.feasible_like(z)).all()
 
 
-def test_log_prob_off_the_subspace():
+def test_log_prob_off_the_subspace(validation_on):
+    # NumPyro's rule for every distribution: with validation on, a concrete value outside
+    # the support gets NumPyro's own UserWarning and -inf (not an error).
     dist, *_ = build("diag")
     value = dist.sample(KEY) + 1e-3
-    with pytest.raises(ValueError, match="support"):
-        dist.log_prob(value)
+    with pytest.warns(UserWarning, match="Out-of-support values provided to log prob method"):
+        assert dist.log_prob(value) == -jnp.inf
     assert jax.jit(lambda d, z: d.log_prob(z))(dist, value) == -jnp.inf
     unchecked, *_ = build("diag", validate_args=False)
     assert unchecked.log_prob(value) == -jnp.inf
@@ -405,3 +423,372 @@ def test_batched_construction_does_not_deadlock_xla_cpu_pool():
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0 and "done" in result.stdout, result.stderr[-2000:]
+
+
+# --- NumPyro's conventions (issue 15) -----------------------------------------------------
+
+EVENT_DIMS = {"loc": 1, "scale": 1, "covariance_matrix": 2, "scale_tril": 2, "A": 2, "k": 1}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_argument_satisfies_its_constraint_with_the_argument_event_dim(case):
+    # As torch's test_params_constraints: the constraint of each argument has the event dim
+    # of the argument (what promote_batch_shape and infer_shapes read), and the arguments
+    # given satisfy it, one answer per batch element.
+    params, *_ = oracle.random_parameters(case)
+    params = {name: np.broadcast_to(value, (3,) + value.shape) for name, value in params.items()}
+    dist = LinearConstrainedNormal(**params)
+    assert set(dist.arg_constraints) == set(EVENT_DIMS)
+    assert set(dist.reparametrized_params) == set(dist.arg_constraints)
+    for name, value in params.items():
+        constraint = dist.arg_constraints[name]
+        assert constraint.event_dim == EVENT_DIMS[name], name
+        assert constraint(jnp.asarray(value)).shape == (3,), name
+        assert bool(jnp.all(constraint(jnp.asarray(value)))), name
+    assert dist.arg_constraints["covariance_matrix"] is constraints.positive_definite
+    assert dist.arg_constraints["scale_tril"] is constraints.lower_cholesky
+
+
+def _scan_and_unrolled_models(case, batch, steps):
+    params, cov, A, _ = oracle.random_parameters(case, n=5, a=2, seed=7)
+    rng = np.random.default_rng(8)
+    params["loc"] = rng.normal(size=batch + (5,))  # batched loc, shared A and covariance
+    ks = rng.normal(size=(steps, 2))
+
+    def make(k):
+        return LinearConstrainedNormal(**{**params, "A": A, "k": k})
+
+    ys = np.stack([np.asarray(make(ks[t]).sample(jax.random.PRNGKey(t))) for t in range(steps)])
+
+    def scanned():
+        def step(carry, x):
+            k, y = x
+            numpyro.sample("y", make(k), obs=y)
+            return carry, None
+
+        scan(step, None, (ks, ys))
+
+    def unrolled():
+        for t in range(steps):
+            numpyro.sample(f"y_{t}", make(ks[t]), obs=ys[t])
+
+    return scanned, unrolled, (params, cov, A, ks, ys)
+
+
+@pytest.mark.parametrize("case", ["diag", "full_cov"])
+@pytest.mark.parametrize(("batch", "steps"), [((), 4), ((3,), 4), ((3,), 3), ((2, 3), 2)])
+def test_scan_scores_an_observed_site_like_the_unrolled_model(case, batch, steps):
+    # scan stacks every leaf along a time axis and calls promote_batch_shape: a shared A of
+    # shape (a, n) becomes (T, a, n) beside a (T, 3, n) loc, which broadcast T against the
+    # batch (an error, or with T == 3 a silently wrong score) until the leaves were aligned.
+    scanned, unrolled, (params, cov, A, ks, ys) = _scan_and_unrolled_models(case, batch, steps)
+    expected = sum(
+        oracle.logpdf(ys[t].reshape(-1, 5)[i], params["loc"].reshape(-1, 5)[i], cov, A, ks[t])
+        for t in range(steps)
+        for i in range(int(np.prod(batch, dtype=int)))
+    )
+    unrolled_score = log_density(unrolled, (), {}, {})[0]
+    scanned_score = log_density(scanned, (), {}, {})[0]
+    np.testing.assert_allclose(unrolled_score, expected, rtol=1e-10)
+    np.testing.assert_allclose(scanned_score, expected, rtol=1e-10)
+
+
+def test_promote_batch_shape_after_vmap_lines_up_every_leaf():
+    params, cov, A, k = oracle.random_parameters("diag", seed=9)
+    locs = np.random.default_rng(9).normal(size=(4, 3, 5))  # vmapped over 4, batch (3,)
+
+    def make(loc):
+        return LinearConstrainedNormal(loc, params["scale"], A=A, k=k)
+
+    batched = jax.vmap(make)(locs)
+    assert batched.batch_shape == (3,)
+    promoted = promote_batch_shape(batched)
+    assert promoted.batch_shape == (4, 3) and batched.batch_shape == (3,)
+    assert promoted.loc is batched.loc  # leaves of the full rank are shared, not copied
+    values = np.stack([np.asarray(make(loc).sample(KEY)) for loc in locs])
+    expected = [
+        [oracle.logpdf(values[v, b], locs[v, b], cov, A, k) for b in range(3)] for v in range(4)
+    ]
+    np.testing.assert_allclose(promoted.log_prob(values), expected, rtol=1e-10)
+    np.testing.assert_allclose(promoted.sample(KEY).shape, (4, 3, 5))
+
+
+ARGUMENT_CASES = ["scale", "covariance_matrix", "scale_tril"]
+
+
+def _constant_arguments(case):
+    params, cov, A, k = oracle.random_parameters(
+        {"scale": "diag", "covariance_matrix": "full_cov", "scale_tril": "scale_tril"}[case]
+    )
+    return {name: jnp.asarray(value) for name, value in params.items()}, cov, A, k
+
+
+@pytest.mark.parametrize("case", ARGUMENT_CASES)
+def test_construction_inside_jit_from_closed_over_constants(case, validation_on):
+    # Validation used to call bool() on the results of jnp operations, which are tracers
+    # inside jit even for constants (TracerBoolConversionError).
+    arguments, cov, A, k = _constant_arguments(case)
+    value = LinearConstrainedNormal(**arguments).sample(KEY, (3,))
+
+    @jax.jit
+    def build_and_use():
+        dist = LinearConstrainedNormal(**arguments)
+        return dist.mean, dist.log_prob(value), dist.entropy()
+
+    mean, log_prob, entropy = build_and_use()
+    expected_mean, _ = oracle.conditional_moments(arguments["loc"], cov, A, k)
+    np.testing.assert_allclose(mean, expected_mean, atol=1e-12)
+    np.testing.assert_allclose(log_prob, oracle.logpdf(value, arguments["loc"], cov, A, k))
+    np.testing.assert_allclose(entropy, oracle.entropy(arguments["loc"], cov, A, k))
+
+
+BAD_CONSTANTS = [
+    ({"A": jnp.array([[1.0, 2.0, 3.0], [2.0, 4.0, 6.0]])}, "rank"),
+    ({"scale": jnp.array([1.0, -1.0, 1.0])}, "scale"),
+    (
+        {"scale": None, "covariance_matrix": jnp.array([[1.0, 2, 0], [2, 1, 0], [0, 0, 1]])},
+        "covariance_matrix",
+    ),
+    ({"scale": None, "scale_tril": jnp.array([[1.0, 1, 0], [0, 1, 0], [0, 0, 1]])}, "scale_tril"),
+    ({"k": jnp.array([jnp.nan])}, "k"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "message"), BAD_CONSTANTS)
+def test_bad_constants_closed_over_inside_jit_are_still_rejected(overrides, message, validation_on):
+    # NumPyro validates concrete values under jax.ensure_compile_time_eval(): constants
+    # closed over inside jit are concrete and get checked; tracers are skipped.
+    kwargs = {"loc": jnp.zeros(3), "scale": jnp.ones(3), **overrides}
+    with pytest.raises(ValueError, match=message):
+        jax.jit(lambda: LinearConstrainedNormal(**kwargs).mean)()
+    traced = {name: value for name, value in overrides.items() if value is not None}
+    fixed = {name: value for name, value in kwargs.items() if name not in traced}
+    # The same values as traced arguments cannot be inspected, and are not (as NumPyro).
+    jax.jit(lambda t: LinearConstrainedNormal(**fixed, **t).loc)(traced)
+
+
+def test_nuts_on_a_prior_built_from_constants_inside_jit(validation_on):
+    # NUTS jits the potential energy, which builds the prior from the constants below: this
+    # raised TracerBoolConversionError. The posterior is the prior, whose moments are the
+    # conditional Gaussian's, computed here by the textbook formulas.
+    rng = np.random.default_rng(11)
+    n, a = 4, 2
+    loc = rng.normal(size=n)
+    factor = rng.normal(size=(n, n))
+    covariance = factor @ factor.T / n + 0.5 * np.eye(n)
+    A = rng.normal(size=(a, n))
+    k = rng.normal(size=a)
+    # JAX arrays: jnp operations on them inside jit give tracers, which is what broke.
+    constants = {
+        "loc": jnp.asarray(loc),
+        "covariance_matrix": jnp.asarray(covariance),
+        "A": jnp.asarray(A),
+        "k": jnp.asarray(k),
+    }
+
+    def model():
+        numpyro.sample("z", LinearConstrainedNormal(**constants))
+
+    gain = covariance @ A.T @ np.linalg.inv(A @ covariance @ A.T)
+    expected_mean = loc + gain @ (k - A @ loc)
+    expected_cov = covariance - gain @ A @ covariance
+
+    mcmc = MCMC(NUTS(model), num_warmup=200, num_samples=400, progress_bar=False)
+    mcmc.run(jax.random.PRNGKey(0))
+    samples = np.asarray(mcmc.get_samples()["z"])
+    assert np.abs(samples @ A.T - k).max() < 1e-8
+    # Monte Carlo tolerance: 5 standard errors with the effective sample size of each
+    # coordinate (NUTS draws are correlated).
+    ess = np.asarray(effective_sample_size(samples[None]))
+    std = np.sqrt(np.diag(expected_cov))
+    assert np.all(np.abs(samples.mean(0) - expected_mean) < 5 * std / np.sqrt(ess) + 1e-12)
+    cov_se = np.sqrt((np.outer(std**2, std**2) + expected_cov**2) / np.minimum.outer(ess, ess))
+    assert np.all(np.abs(np.cov(samples.T) - expected_cov) < 5 * cov_se + 1e-12)
+
+
+METHODS = {
+    "mean": lambda d: d.mean,
+    "variance": lambda d: d.variance,
+    "covariance_matrix": lambda d: d.covariance_matrix,
+    "scale_tril": lambda d: d.scale_tril,
+    "scale": lambda d: d.scale,
+    "entropy": lambda d: d.entropy(),
+    "log_prob": lambda d: d.log_prob(d.mean),
+    "sample": lambda d: d.sample(KEY, (2,)),
+    "marginals": lambda d: d.marginals.scale,
+    "support": lambda d: d.support(d.mean),
+}
+
+
+def _assert_tree_stable(dist, treedef):
+    for name, method in METHODS.items():
+        method(dist)
+        assert jax.tree.structure(dist) == treedef, name
+    leaves, structure = jax.tree.flatten(dist)
+    roundtrip = jax.tree.unflatten(structure, leaves)
+    assert jax.tree.structure(roundtrip) == treedef
+    for name, method in METHODS.items():
+        method(roundtrip)
+        assert jax.tree.structure(roundtrip) == treedef, name
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_tree_structure_is_the_same_before_and_after_every_method(case):
+    # The lazily computed scale / scale_tril used to be pytree data fields: computing one
+    # added a leaf, so the distribution could not be a scan carry.
+    arguments = {
+        name: jnp.asarray(value) for name, value in oracle.random_parameters(case)[0].items()
+    }
+    dist = LinearConstrainedNormal(**arguments)
+    treedef = jax.tree.structure(LinearConstrainedNormal(**arguments))
+    _assert_tree_stable(dist, treedef)
+
+    @jax.jit
+    def traced(arguments):
+        dist = LinearConstrainedNormal(**arguments)
+        assert jax.tree.structure(dist) == treedef  # traced parameters, same structure
+        _assert_tree_stable(dist, treedef)
+        return dist
+
+    returned = traced(arguments)
+    assert jax.tree.structure(returned) == treedef
+    np.testing.assert_allclose(returned.log_prob(dist.mean), dist.log_prob(dist.mean))
+
+
+@pytest.mark.parametrize("case", ["diag", "scale_tril"])
+def test_a_distribution_as_a_scan_carry_and_a_jit_argument(case):
+    arguments = {
+        name: jnp.asarray(value) for name, value in oracle.random_parameters(case)[0].items()
+    }
+    factor_name = "scale" if case == "diag" else "scale_tril"
+    shifts = jnp.asarray(np.random.default_rng(12).normal(size=(3, 5)))
+
+    def step(dist, shift):
+        new = LinearConstrainedNormal(
+            dist.loc + shift, **{factor_name: getattr(dist, factor_name)}, A=dist.A, k=dist.k
+        )
+        return new, new.entropy() + new.log_prob(new.mean)
+
+    init = LinearConstrainedNormal(**arguments)
+    # Properties computed on a concrete carry must not change its structure (scale and
+    # scale_tril were lazy pytree fields, cached when concrete, not when traced).
+    for method in METHODS.values():
+        method(init)
+    final, outputs = lax.scan(step, init, shifts)
+    dist, expected = LinearConstrainedNormal(**arguments), []
+    for shift in shifts:
+        dist, output = step(dist, shift)
+        expected.append(output)
+    np.testing.assert_allclose(outputs, expected, rtol=1e-12)
+    np.testing.assert_allclose(final.mean, dist.mean, rtol=1e-12)
+    through_jit = jax.jit(lambda d: d)(dist)
+    assert jax.tree.structure(through_jit) == jax.tree.structure(dist)
+    np.testing.assert_allclose(through_jit.sample(KEY), dist.sample(KEY))
+
+
+def _tree_equal(t1, t2):
+    # As NumPyro's test_vmap_dist.
+    return jnp.all(
+        jax.flatten_util.ravel_pytree(jax.tree.map(lambda x, y: jnp.allclose(x, y), t1, t2))[0]
+    )
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_vmap_over_in_the_pattern_of_numpyro_test_vmap_dist(case):
+    import jax.flatten_util  # noqa: F401 (ravel_pytree)
+
+    params, *_ = oracle.random_parameters(case)
+    params = {name: jnp.asarray(value) for name, value in params.items()}
+    names = list(params)
+
+    def make(*args):
+        return LinearConstrainedNormal(**dict(zip(names, args, strict=True)))
+
+    args = [params[name] for name in names]
+    d = make(*args)
+    cases = [(tuple(0 for _ in names), 0)]
+    for i, name in enumerate(names):
+        single = [0 if j == i else None for j in range(len(names))]
+        cases.append((single, 0))
+        cases.append((single, vmap_over(d, **{name: 0})))
+        cases.append(
+            ([1 if j == i else None for j in range(len(names))], vmap_over(d, **{name: 1}))
+        )
+    for in_axes, out_axes in cases:
+        batched_args = [
+            jnp.expand_dims(arg, axis) if isinstance(axis, int) else arg
+            for arg, axis in zip(args, in_axes, strict=True)
+        ]
+        d = make(*args)
+        batched = jax.vmap(make, in_axes=in_axes, out_axes=out_axes)(*batched_args)
+        equal = jax.vmap(_tree_equal, in_axes=(out_axes, None))(batched, d)
+        assert equal == jnp.array([True]), (in_axes, out_axes)
+        samples = jax.vmap(lambda dist: dist.sample(KEY), in_axes=(out_axes,))(batched)
+        assert samples.shape == (1,) + d.sample(KEY).shape
+        mean = d.mean
+        log_probs = jax.vmap(lambda dist, z=mean: dist.log_prob(z), in_axes=(out_axes,))(batched)
+        np.testing.assert_allclose(log_probs, d.log_prob(d.mean)[None], rtol=1e-12)
+
+
+def test_vmap_over_a_batch_of_covariances_and_constraints():
+    # Batches of size 3 (not 1) along every array argument, one at a time, against the
+    # distributions built one by one.
+    params, *_ = oracle.random_parameters("full_cov")
+    rng = np.random.default_rng(13)
+    factors = rng.normal(size=(3, 5, 5))
+    stacked = {
+        "loc": rng.normal(size=(3, 5)),
+        "covariance_matrix": factors @ np.swapaxes(factors, -1, -2) / 5 + 0.5 * np.eye(5),
+        "A": rng.normal(size=(3, 2, 5)),
+        "k": rng.normal(size=(3, 2)),
+    }
+    for name, batch in stacked.items():
+        fixed = {key: value for key, value in params.items() if key != name}
+
+        def make(value, fixed=fixed, name=name):
+            return LinearConstrainedNormal(**fixed, **{name: value})
+
+        reference = make(batch[0])
+        batched = jax.vmap(make, out_axes=vmap_over(reference, **{name: 0}))(batch)
+        for b in range(3):
+            one = make(batch[b])
+            z = one.sample(KEY)
+            np.testing.assert_allclose(
+                jax.vmap(
+                    lambda d, z=z: d.log_prob(z), in_axes=(vmap_over(reference, **{name: 0}),)
+                )(batched)[b],
+                one.log_prob(z),
+                rtol=1e-10,
+            )
+
+
+def test_log_prob_of_a_value_of_the_wrong_shape_is_a_value_error():
+    # It used to be JAX's broadcasting TypeError, or a silently broadcast answer.
+    params, *_ = oracle.random_parameters("diag")
+    dist = LinearConstrainedNormal(np.stack([params["loc"]] * 2), params["scale"])
+    for shape in [(4,), (2, 4), (3, 5), (4, 3, 5)]:
+        with pytest.raises(
+            ValueError, match=r"expected a shape broadcasting with \(\.\.\., 2, 5\)"
+        ):
+            dist.log_prob(jnp.zeros(shape))
+        with pytest.raises(ValueError, match="does not"):
+            jax.jit(lambda d, z: d.log_prob(z))(dist, jnp.zeros(shape))
+    assert dist.log_prob(jnp.zeros((7, 1, 5))).shape == (7, 2)
+
+
+def test_k_is_a_real_right_hand_side_broadcast_to_the_rows_of_A():
+    params, cov, A, _ = oracle.random_parameters("diag")
+    loc, scale = params["loc"], params["scale"]
+    explicit = LinearConstrainedNormal(loc, scale, A=A, k=np.array([0.7, 0.7]))
+    for k in (0.7, np.float32(0.7), jnp.array(0.7), np.array([0.7])):
+        dist = LinearConstrainedNormal(loc, scale, A=A, k=k)
+        assert dist.k.shape == (2,)
+        np.testing.assert_allclose(dist.mean, explicit.mean, rtol=1e-6)
+    expected_mean, _ = oracle.conditional_moments(loc, cov, A, [0.7, 0.7])
+    np.testing.assert_allclose(explicit.mean, expected_mean, atol=1e-12)
+    with pytest.raises(ValueError, match=r"k must have shape \(\.\.\., a\) with a = 2"):
+        LinearConstrainedNormal(loc, scale, A=A, k=np.zeros(3))
+    with pytest.raises(
+        ValueError, match=r"do not broadcast: loc \(2,\), scale \(\), A \(\), k \(3,\)"
+    ):
+        LinearConstrainedNormal(np.stack([loc, loc]), scale, A=A, k=np.zeros((3, 2)))
