@@ -558,11 +558,9 @@ def _indices(shape):
     ]
 
 
-# With validation on, torch's _validate_sample catches what EKB and LCN miss.
+# With validation on, torch's _validate_sample catches what EKB misses.
 _known("test_score_errors_event_dim_mismatch", ("ekb-*-novalidate",), _SHAPE_CAUSE)
-_known("test_score_errors_event_dim_mismatch", ("lcn-*-novalidate",), _SHAPE_CAUSE)
 _known("test_score_errors_non_broadcastable_data_shape", ("ekb-*-novalidate",), _SHAPE_CAUSE)
-_known("test_score_errors_non_broadcastable_data_shape", ("lcn-*-novalidate",), _SHAPE_CAUSE)
 
 
 @pytest.mark.parametrize(

@@ -14,15 +14,11 @@
 * A few SVI steps with each JIT ELBO run and reduce ``KL(q || p)`` of a prior-only model.
 * ``poutine.trace(...).log_prob_sum()`` under ``pyro.plate`` equals the sum of the
   distribution's own log_prob over the plate.
-
-Tests that fail today because of a known library problem are ``xfail(strict=True)`` with
-the cause.
 """
 
 from __future__ import annotations
 
 import math
-from fnmatch import fnmatch
 
 import pyro
 import pyro.distributions as dist
@@ -125,41 +121,13 @@ def _per_particle_std(name: str, num: int = 4000) -> float:
     return float(per_particle.std())
 
 
-_LCN_JIT = (
-    "LinearConstrainedNormal's sampler writes into its noise buffer with in-place / out= "
-    "ops under no_grad (_matheron_from_noise), which torch.jit.trace does not record "
-    "(issue 15; CONVENTIONS.md decision 8)"
-)
-
-KNOWN_FAILURES = {
-    # With grad_estimator="pathwise" the sampler runs with autograd on and takes the
-    # out-of-place branch, so "lcn-pathwise" works today.
-    "test_jit_elbo_matches_eager": {"lcn-trace": _LCN_JIT, "lcn-graph": _LCN_JIT},
-    "test_jit_elbo_matches_closed_form": {
-        "lcn-trace": _LCN_JIT,
-        "lcn-meanfield": _LCN_JIT,
-        "lcn-graph": _LCN_JIT,
-    },
-    # (lcn-meanfield passes there: the prior-only model never uses the sample, and the
-    # trace drops the failing op.)
-    "test_jit_svi_reduces_kl": {"lcn-trace": _LCN_JIT, "lcn-graph": _LCN_JIT},
-}
-
 # "lcn" is the default straight-through guide (grad_estimator="marginal_expectation"),
 # "lcn-pathwise" the exact reparameterisation.
 NAMES = ("ekb", "lcn", "lcn-pathwise", "cp")
 
 
-def _params(test: str, names=NAMES, elbos=tuple(ELBO_PAIRS)):
-    marks = KNOWN_FAILURES.get(test, {})
-    out = []
-    for name in names:
-        for elbo in elbos:
-            param_id = f"{name}-{elbo}"
-            reasons = sorted({r for pattern, r in marks.items() if fnmatch(param_id, pattern)})
-            mark = [pytest.mark.xfail(reason="; ".join(reasons), strict=True)] if reasons else []
-            out.append(pytest.param(name, elbo, id=param_id, marks=mark))
-    return out
+def _params(names=NAMES, elbos=tuple(ELBO_PAIRS)):
+    return [pytest.param(name, elbo, id=f"{name}-{elbo}") for name in names for elbo in elbos]
 
 
 def _loss_and_grads(elbo, model, guide, seed: int):
@@ -172,9 +140,7 @@ def _loss_and_grads(elbo, model, guide, seed: int):
     return loss, grads
 
 
-@pytest.mark.parametrize(
-    "name,elbo_name", _params("test_jit_elbo_matches_eager", elbos=("trace", "graph"))
-)
+@pytest.mark.parametrize("name,elbo_name", _params(elbos=("trace", "graph")))
 def test_jit_elbo_matches_eager(name, elbo_name):
     """Same seed, same loss and gradients, also after the parameters moved. Not for the
     mean-field pair: there Pyro's compiled function draws other random numbers than the
@@ -232,7 +198,7 @@ def test_jit_meanfield_rng_differs_upstream():
     assert any(differ)
 
 
-@pytest.mark.parametrize("name,elbo_name", _params("test_jit_elbo_matches_closed_form"))
+@pytest.mark.parametrize("name,elbo_name", _params())
 def test_jit_elbo_matches_closed_form(name, elbo_name):
     """The JIT loss over many vectorised particles against ``KL - E_q[log lik]``."""
     _, jit_cls = ELBO_PAIRS[elbo_name]
@@ -254,7 +220,7 @@ def test_jit_elbo_matches_closed_form(name, elbo_name):
     assert abs(loss - exact) <= tolerance, (loss, exact, tolerance)
 
 
-@pytest.mark.parametrize("name,elbo_name", _params("test_jit_svi_reduces_kl"))
+@pytest.mark.parametrize("name,elbo_name", _params())
 def test_jit_svi_reduces_kl(name, elbo_name):
     """SVI with the JIT ELBO on a prior-only model (the optimum is q = p) runs and brings
     ``KL(q || p)`` down."""
