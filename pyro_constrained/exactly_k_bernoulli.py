@@ -308,9 +308,11 @@ class ExactlyKBernoulli(TorchDistribution):
             )
 
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
-        """``theta . z - log e_k(exp theta)`` for k-hot ``z`` (counting measure); ``-inf``
-        outside the support when validation is off. Differentiable in ``value`` too, so a
-        straight-through sample passes its gradient on.
+        """``theta . z - log e_k(exp theta)`` for k-hot ``z`` (counting measure). Outside the
+        support: ``ValueError`` with validation on, ``-inf`` with it off. A value whose shape
+        does not end in ``event_shape`` or does not broadcast with ``batch_shape`` is a
+        ``ValueError`` always. Differentiable in ``value`` too, so a straight-through sample
+        passes its gradient on.
 
         The value is computed from the tilted logits (``kernels.log_prob_value``), exact to
         the dtype's precision for logits of any size; the gradient is that of the formula."""

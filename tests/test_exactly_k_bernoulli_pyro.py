@@ -447,17 +447,18 @@ def test_log_prob_of_a_wrong_shape_is_a_value_error_naming_the_expected_shape(sh
     assert d.log_prob(torch.tensor([1.0, 1.0, 0.0, 0.0])).shape == (3,)
 
 
-def _jit_model_and_guide(n: int = 6, k: int = 2):
+def _jit_model_and_guide(n: int, k: int = 2):
     prior = torch.linspace(-1.0, 1.0, n, dtype=torch.float64)
+    start = torch.tensor(np.random.default_rng(17).normal(0.0, 1.0, size=n))
 
     def model():
         pyro.sample("z", ExactlyKBernoulli(logits=prior, k=k))
 
     def guide():
-        start = torch.tensor([0.3, -1.2, 2.0, 0.7, -0.4, 1.1], dtype=torch.float64)
-        pyro.sample("z", ExactlyKBernoulli(logits=pyro.param("logits", start), k=k))
+        logits = pyro.param("logits", start.clone())
+        pyro.sample("z", ExactlyKBernoulli(logits=logits, k=k))
 
-    return model, guide, prior
+    return model, guide, prior, start
 
 
 @pytest.mark.filterwarnings("ignore")  # TracerWarnings of torch.jit.trace, SVI's discrete site
@@ -469,22 +470,25 @@ def _jit_model_and_guide(n: int = 6, k: int = 2):
         (pyro.infer.TraceGraph_ELBO, pyro.infer.JitTraceGraph_ELBO),
     ],
 )
-def test_jit_elbos_give_the_losses_and_steps_of_their_non_jit_versions(elbo, jit_elbo):
+@pytest.mark.parametrize("n, k", [(6, 2), (40, 38)])
+def test_jit_elbos_give_the_losses_and_steps_of_their_non_jit_versions(elbo, jit_elbo, n, k):
     """A model with an ExactlyKBernoulli prior of constant logits and a guide with learnable
     logits. (1) With a fixed guide, every JIT loss is log q(z) - log p(z) of some k-hot z
-    (enumerated) or, for the mean-field ELBO, the exact KL; before the kernels' in-place
-    operations were made out-of-place under tracing, TorchScript folded part of the prior's
-    computation into a constant that every call changed, and the losses drifted to NaN.
-    (2) SVI steps with the same seed per step give the same losses and parameters as the
-    non-JIT ELBO (each compiled once first: compiling draws random numbers)."""
-    model, guide, prior = _jit_model_and_guide()
+    (enumerated) or, for the mean-field ELBO, the exact KL: the traced graph must not change
+    between calls (with some of the kernels' in-place operations left under tracing,
+    TorchScript folded the prior's leaf shifts into a constant that an in-place exp_ then
+    changed at every call, and the losses drifted to NaN). (2) SVI steps with the same seed
+    per step give the same losses and parameters as the non-JIT ELBO (each compiled once
+    first: compiling draws random numbers). k = 38 in float64 takes the FFT correlations,
+    whose traced transform sizes were replayed wrongly (a RuntimeError) before they were
+    made Python ints."""
+    model, guide, prior, start = _jit_model_and_guide(n, k)
     pyro.clear_param_store()
-    start = torch.tensor([0.3, -1.2, 2.0, 0.7, -0.4, 1.1], dtype=torch.float64)
-    q = ExactlyKBernoulli(logits=start, k=2)
-    p = ExactlyKBernoulli(logits=prior, k=2)
-    subsets = torch.tensor(oracle.k_subsets(6, 2), dtype=torch.float64)
+    q = ExactlyKBernoulli(logits=start, k=k)
+    p = ExactlyKBernoulli(logits=prior, k=k)
+    subsets = torch.tensor(oracle.k_subsets(n, k), dtype=torch.float64)
     exact = (q.log_prob(subsets) - p.log_prob(subsets)).numpy()
-    kl = oracle.exactly_k_kl(q.logits.numpy(), prior.numpy(), 2)
+    kl = oracle.exactly_k_kl(q.logits.numpy(), prior.numpy(), k)
     jit = jit_elbo()
     pyro.set_rng_seed(0)
     for _ in range(12):
