@@ -513,6 +513,7 @@ def test_jit_elbos_give_the_losses_and_steps_of_their_non_jit_versions(elbo, jit
     torch.testing.assert_close(runs[1][1], runs[0][1], atol=1e-12, rtol=0)
 
 
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
 def test_traced_kernels_equal_eager_ones_at_sizes_that_use_every_path():
     # float64 and float32, n large enough for blocked and transposed (node-major) tables.
     rng = np.random.default_rng(16)
