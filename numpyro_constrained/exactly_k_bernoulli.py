@@ -5,7 +5,8 @@ The numerical work (log normaliser, marginals, exact sampling) lives in
 logits, validation, shapes and the framework's protocols (pytree, ``vmap_over``, KL).
 """
 
-from numbers import Integral
+import warnings
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -16,9 +17,9 @@ from numpyro.distributions import Bernoulli, constraints
 from numpyro.distributions.batch_util import _default_vmap_over, vmap_over
 from numpyro.distributions.distribution import Distribution
 from numpyro.distributions.kl import kl_divergence
-from numpyro.distributions.util import lazy_property
-from numpyro.util import not_jax_tracer
+from numpyro.util import find_stack_level, not_jax_tracer
 
+from constrained_ppl_common.arguments import check_count, check_static_bound, check_value_shape
 from numpyro_constrained import exactly_k_kernels as kernels
 
 __all__ = ["ExactlyKBernoulli", "KHot"]
@@ -68,11 +69,17 @@ class KHot(constraints.Constraint):
 
 
 def _as_k(k) -> jax.Array:
-    if isinstance(k, bool) or not (
-        isinstance(k, Integral) or (hasattr(k, "dtype") and jnp.issubdtype(k.dtype, jnp.integer))
-    ):
-        raise ValueError(f"k must be a Python int or an integer array, got {k!r}")
+    """``k`` as an array, after the count rule of ``check_count`` (an int, an integer array,
+    or whole-number floats; 3.5, bools, complex numbers and NaN are a ``ValueError``). Its
+    dtype is kept: a float ``k`` stays float, so that a distribution built from a concrete
+    float ``k`` and one built from a traced one have the same pytree (a ``lax.scan`` carry)."""
+    check_count(k, concrete=not_jax_tracer(k), name="k")
     return jnp.asarray(k)
+
+
+def _bound(n: int, k_max: int | None) -> int:
+    """The largest valid ``k``: n, or ``k_max`` if that is smaller."""
+    return n if k_max is None else min(n, k_max)
 
 
 def _is_concrete(*values) -> bool:
@@ -104,68 +111,114 @@ class ExactlyKBernoulli(Distribution):
 
     :param logits: log-odds, shape ``batch + (n,)``; entries may be ``+-inf``.
     :param probs: probabilities in [0, 1] instead of logits (exactly one of the two).
-    :param k: the number of ones, a Python int or an integer array broadcasting with
-        ``logits.shape[:-1]``; ``0 <= k <= n``.
+    :param k: the number of ones, broadcasting with ``logits.shape[:-1]``: a Python int, an
+        integer array, or whole-number floats (``3.0``, as ``Binomial.total_count``); ``3.5``,
+        a bool, a complex number or NaN is a ``ValueError`` whatever ``validate_args`` says.
+        ``0 <= k <= n`` is checked with validation on (``ValueError``).
+    :param k_max: an optional static bound on ``k`` (a Python int), for a ``k`` that is traced
+        (under ``jit``, ``vmap``, a ``lax.scan`` carry): the kernels' tables are truncated at
+        degree ``min(n, k_max)`` instead of n, O(n k_max) work instead of O(n^2). A concrete
+        ``k`` above ``k_max`` is a ``ValueError``.
+
+    **Table sizes.** The kernels are jitted with the size of their tables as a static
+    argument, chosen at each call: from a concrete ``k``, its largest entry rounded up to a
+    power of two (at most n), so that eager calls with small k stay fast and compile once
+    per power of two; from a traced ``k``, ``min(n, k_max)`` (n without ``k_max``). The
+    pytree's aux data is ``k_max`` exactly as given, never something derived from ``k``, so
+    the tree structure does not depend on whether ``k`` is concrete. A traced ``k`` outside
+    ``0..min(n, k_max)``, or not a whole number, gives ``-inf`` log-probabilities and
+    log_constraint_prob, and NaN entropy, mean, variance, samples and KL: never a number.
 
     ``sample`` returns an exact k-hot sample ``z`` whose gradient is that of the conditional
-    marginals ``mu`` (the SIMPLE estimator): ``z + (mu - stop_gradient(mu))``. Checks that
-    need concrete values (k in range, feasibility) are skipped under a JAX trace.
+    marginals ``mu`` (the SIMPLE estimator): ``z + (mu - stop_gradient(mu))``.
+
+    **Validation** (``validate_args``) checks concrete values only, as NumPyro's own
+    ``Distribution.validate_args`` does, and the arguments are checked under
+    ``jax.ensure_compile_time_eval()``, so constants closed over inside ``jit`` are still
+    checked; traced values are not (they get the NaN / ``-inf`` above). ``log_prob`` of a
+    concrete value outside the support warns (NumPyro's "Out-of-support values" warning)
+    and returns ``-inf``; a value whose shape does not end in the event shape or does not
+    broadcast with the batch shape is a ``ValueError`` always.
     """
 
     # probs first: given probs, the logits derived from them are NaN where probs are invalid,
-    # and the error should name what the caller passed.
-    arg_constraints = {"probs": constraints.unit_interval, "logits": _ExtendedReal()}
+    # and the error should name what the caller passed. The last axis of logits and probs is
+    # the event (event_dim 1): promote_batch_shape (numpyro.contrib.control_flow.scan) reads
+    # the batch shape of every parameter from these event dims.
+    arg_constraints = {
+        "probs": constraints.independent(constraints.unit_interval, 1),
+        "logits": constraints.independent(_ExtendedReal(), 1),
+        "k": constraints.nonnegative_integer,
+    }
     reparametrized_params = ["logits", "probs"]
+    # All three are set by __init__, expand and tree_unflatten (probs is always stored, never
+    # a lazy cache: Distribution.tree_flatten reads __dict__, so a cache that appears once
+    # computed would change the tree structure). k_max is exactly what the caller passed.
     pytree_data_fields = ("logits", "probs", "k")
-    pytree_aux_fields = ("_k_max",)
+    pytree_aux_fields = ("k_max",)
 
-    def __init__(self, logits=None, probs=None, *, k, validate_args=None):
+    def __init__(self, logits=None, probs=None, *, k, k_max=None, validate_args=None):
         if (logits is None) == (probs is None):
             raise ValueError("ExactlyKBernoulli: give exactly one of `logits` or `probs`")
-        if probs is not None:
-            probs = jnp.asarray(probs)
-            if not jnp.issubdtype(probs.dtype, jnp.floating):
-                probs = probs.astype(jnp.result_type(float))
-            if probs.ndim < 1:
-                raise ValueError("probs must have at least one dimension (the n variables)")
-            # Exact 0 and 1 map to -inf and +inf.
-            logits = jnp.log(probs) - jnp.log1p(-probs)
-        else:
-            logits = jnp.asarray(logits)
-            if not jnp.issubdtype(logits.dtype, jnp.floating):
-                logits = logits.astype(jnp.result_type(float))
-            if logits.ndim < 1:
-                raise ValueError("logits must have at least one dimension (the n variables)")
-        k = _as_k(k)
-        try:
-            batch_shape = jnp.broadcast_shapes(logits.shape[:-1], jnp.shape(k))
-        except ValueError as error:
-            raise ValueError(
-                f"k of shape {jnp.shape(k)} does not broadcast with the batch shape "
-                f"{logits.shape[:-1]} of the logits"
-            ) from error
-        event_shape = logits.shape[-1:]
-        self.logits = jnp.broadcast_to(logits, batch_shape + event_shape)
-        if probs is not None:
+        k_max = check_static_bound(k_max)
+        given = "logits" if probs is None else "probs"
+        # Under jit, constants closed over stay concrete (and so are still checked, and size
+        # the tables by their k); traced arguments stay traced.
+        with jax.ensure_compile_time_eval():
+            k = _as_k(k)
+            if probs is not None:
+                probs = jnp.asarray(probs)
+                if not jnp.issubdtype(probs.dtype, jnp.floating):
+                    probs = probs.astype(jnp.result_type(float))
+                if probs.ndim < 1:
+                    raise ValueError("probs must have at least one dimension (the n variables)")
+                # Exact 0 and 1 map to -inf and +inf.
+                logits = jnp.log(probs) - jnp.log1p(-probs)
+            else:
+                logits = jnp.asarray(logits)
+                if not jnp.issubdtype(logits.dtype, jnp.floating):
+                    logits = logits.astype(jnp.result_type(float))
+                if logits.ndim < 1:
+                    raise ValueError("logits must have at least one dimension (the n variables)")
+                probs = jax.nn.sigmoid(logits)
+            try:
+                batch_shape = jnp.broadcast_shapes(logits.shape[:-1], jnp.shape(k))
+            except ValueError as error:
+                raise ValueError(
+                    f"k of shape {jnp.shape(k)} does not broadcast with the batch shape "
+                    f"{logits.shape[:-1]} of the logits"
+                ) from error
+            event_shape = logits.shape[-1:]
+            self.logits = jnp.broadcast_to(logits, batch_shape + event_shape)
             self.probs = jnp.broadcast_to(probs, batch_shape + event_shape)
-        self.k = jnp.broadcast_to(k, batch_shape)
+            self.k = jnp.broadcast_to(k, batch_shape)
+            self.k_max = k_max
+            validate = self._validate_args if validate_args is None else validate_args
+            # Before Distribution.__init__, whose checks of arg_constraints give less
+            # specific messages: the parameter the caller gave is checked first (the other
+            # one, derived from it, is invalid wherever it is), then k.
+            if validate:
+                verdict = self.arg_constraints[given](getattr(self, given))
+                if not_jax_tracer(verdict) and not np.all(verdict):
+                    raise ValueError(
+                        f"ExactlyKBernoulli distribution got invalid {given} parameter."
+                    )
+            self._check_k(validate)
         super().__init__(batch_shape, event_shape, validate_args=validate_args)
-        self._k_max = self._check_k()
 
-    def _check_k(self) -> int:
-        """With validation on and concrete values: k in 0..n and feasible with the infinite
-        logits (ValueError otherwise). Returns ``k_max``; with validation off, the batch
-        elements whose constraint is impossible get ``-inf`` log-probabilities.
-
-        ``k_max`` is rounded up to a power of two (at most n): it is a static argument of
-        the jitted kernels, and every new value would cost a compilation."""
+    def _check_k(self, validate: bool) -> None:
+        """Checks of a concrete ``k``: not above ``k_max`` (always a ``ValueError``); with
+        validation on, in 0..n and feasible with the infinite logits (``ValueError``). A
+        traced ``k`` is not checked here; its out-of-range entries give -inf / NaN."""
         n = self.logits.shape[-1]
         if not _is_concrete(self.k):
-            return n
+            return
         k = np.asarray(self.k)
-        if self._validate_args and k.size and (k.min() < 0 or k.max() > n):
+        if self.k_max is not None and k.size and k.max() > self.k_max:
+            raise ValueError(f"k must be at most k_max = {self.k_max}, got {k.max()}")
+        if validate and k.size and (k.min() < 0 or k.max() > n):
             raise ValueError(f"k must be in 0..n = 0..{n}, got {np.unique(k).tolist()}")
-        if self._validate_args and _is_concrete(self.logits) and k.size:
+        if validate and _is_concrete(self.logits) and k.size:
             logits = np.asarray(self.logits)
             forced_on = (logits == np.inf).sum(-1)
             forced_off = (logits == -np.inf).sum(-1)
@@ -175,26 +228,40 @@ class ExactlyKBernoulli(Distribution):
                     "k logits equal to +inf (probs = 1) or more than n - k equal to -inf "
                     "(probs = 0)"
                 )
-        largest = int(np.clip(k, 0, n).max()) if k.size else 0
-        return min(n, 1 << largest.bit_length())
+
+    @property
+    def _table_size(self) -> int:
+        """The static size of the kernels' tables, chosen at call time (see the class
+        docstring): from a concrete k, its largest valid entry rounded up to a power of two
+        (at most n), since every new size costs a compilation; from a traced k, the bound
+        ``min(n, k_max)``. Cached against the identity of ``self.k`` (outside the pytree),
+        so that eager calls read k back from the device once."""
+        cached = self.__dict__.get("_table_cache")
+        if cached is not None and cached[0] is self.k:
+            return cached[1]
+        n = self.event_shape[0]
+        bound = _bound(n, self.k_max)
+        size = bound
+        if _is_concrete(self.k):
+            k = np.asarray(self.k)
+            largest = int(np.clip(k, 0, bound).max()) if k.size else 0
+            size = min(n, 1 << largest.bit_length())
+        self._table_cache = (self.k, size)
+        return size
 
     @constraints.dependent_property(is_discrete=True, event_dim=1)
     def support(self) -> KHot:
         return KHot(self.k)
 
-    @lazy_property
-    def probs(self) -> jax.Array:
-        return jax.nn.sigmoid(self.logits)
-
     @property
     def _problem(self) -> "_FreeProblem":
-        return _free_problem(self.logits, self.k)
+        return _free_problem(self.logits, self.k, _bound(self.event_shape[0], self.k_max))
 
     def _parts(self, problem: "_FreeProblem") -> kernels.NormalizerParts:
-        return kernels.normalizer_parts(problem.logits, problem.k, self._k_max)
+        return kernels.normalizer_parts(problem.logits, problem.k, self._table_size)
 
     def _log_normalizer_of(self, problem, parts) -> jax.Array:
-        log_norm = kernels.log_normalizer(problem.logits, problem.k, self._k_max, parts)
+        log_norm = kernels.log_normalizer(problem.logits, problem.k, self._table_size, parts)
         return jnp.where(problem.infeasible, -jnp.inf, log_norm)
 
     @property
@@ -207,7 +274,7 @@ class ExactlyKBernoulli(Distribution):
         """(mu, 1 - mu): mu_i = P(z_i = 1 | sum z = k), differentiable in the logits; its
         complement computed without rounding (no gradient)."""
         free_mu, free_complement = kernels.marginals_and_complements(
-            problem.logits, problem.k, self._k_max
+            problem.logits, problem.k, self._table_size
         )
         return _complete_pair(free_mu, free_complement, self.logits, problem)
 
@@ -215,7 +282,7 @@ class ExactlyKBernoulli(Distribution):
     def _marginal_probs(self) -> jax.Array:
         """mu_i = P(z_i = 1 | sum z = k), differentiable in the logits."""
         problem = self._problem
-        free_mu = kernels.marginals(problem.logits, problem.k, self._k_max)
+        free_mu = kernels.marginals(problem.logits, problem.k, self._table_size)
         return _complete_marginals(free_mu, self.logits, problem)
 
     @property
@@ -240,23 +307,31 @@ class ExactlyKBernoulli(Distribution):
         return _mode(self.logits, self.k)
 
     def log_prob(self, value) -> jax.Array:
-        """``theta . z - log e_k(exp theta)`` for k-hot ``z`` (counting measure). Outside the
-        support (not k-hot, or a 1 at a ``-inf`` logit / a 0 at a ``+inf`` one): ``ValueError``
-        with validation on and a concrete value, else ``-inf``. Differentiable in ``value``
-        too, so a straight-through sample passes its gradient on.
+        """``theta . z - log e_k(exp theta)`` for k-hot ``z`` (counting measure); ``-inf``
+        outside the support (not k-hot, or a 1 at a ``-inf`` logit / a 0 at a ``+inf`` one),
+        with NumPyro's "Out-of-support values" warning when validation is on and the value
+        concrete. A value whose shape does not end in ``event_shape`` or does not broadcast
+        with ``batch_shape`` is a ``ValueError``. Differentiable in ``value`` too, so a
+        straight-through sample passes its gradient on.
 
         The value is computed from the tilted logits (``kernels.log_prob_value``), exact to
         the dtype's precision for logits of any size; the gradient is that of the formula."""
+        value = jnp.asarray(value)
+        check_value_shape(
+            jnp.shape(value), self.batch_shape, self.event_shape, "ExactlyKBernoulli.log_prob"
+        )
         problem = self._problem
         parts = self._parts(problem)
-        value = jnp.asarray(value)
         exact = kernels.log_prob_value(problem.logits, parts, value)
         log_norm = self._log_normalizer_of(problem, parts)
         log_prob, in_support = _log_prob(self.logits, self.k, value, log_norm, exact, problem)
         if self._validate_args and not_jax_tracer(in_support) and not np.all(in_support):
-            raise ValueError(
-                "ExactlyKBernoulli.log_prob: value is not a k-hot vector with the distribution's "
-                f"k that the infinite logits allow (support {self.support})"
+            # NumPyro's own message and category (Distribution._validate_sample), for a
+            # support that also depends on the infinite logits.
+            warnings.warn(
+                "Out-of-support values provided to log prob method. "
+                "The value argument should be within the support.",
+                stacklevel=find_stack_level(),
             )
         return log_prob
 
@@ -272,7 +347,7 @@ class ExactlyKBernoulli(Distribution):
                 "(k outside 0..n, or infinite logits that rule out every k-hot vector)"
             )
         z, free_mu = kernels.sample_and_marginals(
-            key, problem.logits, problem.k, self._k_max, tuple(sample_shape)
+            key, problem.logits, problem.k, self._table_size, tuple(sample_shape)
         )
         return _straight_through(z, free_mu, self.logits, problem)
 
@@ -298,7 +373,7 @@ class ExactlyKBernoulli(Distribution):
         problem = self._problem
         parts = self._parts(problem)
         wide_logits = problem.logits.astype(kernels.wide_dtype(problem.logits.dtype))
-        wide_parts = kernels.normalizer_parts(wide_logits, problem.k, self._k_max)
+        wide_parts = kernels.normalizer_parts(wide_logits, problem.k, self._table_size)
         exact = kernels.log_constraint_prob_value(problem.logits, problem.k, wide_parts)
         log_norm = self._log_normalizer_of(problem, parts)
         return _log_constraint_prob(self.logits, log_norm, exact, problem)
@@ -309,10 +384,9 @@ class ExactlyKBernoulli(Distribution):
             return self
         new = type(self).__new__(type(self))
         new.logits = jnp.broadcast_to(self.logits, batch_shape + self.event_shape)
-        if "probs" in self.__dict__:
-            new.probs = jnp.broadcast_to(self.probs, batch_shape + self.event_shape)
+        new.probs = jnp.broadcast_to(self.probs, batch_shape + self.event_shape)
         new.k = jnp.broadcast_to(self.k, batch_shape)
-        new._k_max = self._k_max
+        new.k_max = self.k_max
         Distribution.__init__(new, batch_shape, self.event_shape, validate_args=False)
         new._validate_args = self._validate_args
         return new
@@ -326,10 +400,10 @@ class ExactlyKBernoulli(Distribution):
 
 @vmap_over.register
 def _vmap_over_exactly_k_bernoulli(dist: ExactlyKBernoulli, logits=None, probs=None, k=None):
-    # logits are derived from probs when probs are given, so they share its axis.
-    return _default_vmap_over(
-        dist, logits=logits if logits is not None else probs, probs=probs, k=k
-    )
+    # logits and probs are always both stored, each derived from the other, so a vmapped
+    # argument of either maps both (numpyro's test_vmap_dist passes the axis of one).
+    shared = logits if logits is not None else probs
+    return _default_vmap_over(dist, logits=shared, probs=shared, k=k)
 
 
 @kl_divergence.register(ExactlyKBernoulli, ExactlyKBernoulli)
@@ -376,12 +450,19 @@ class _FreeProblem(NamedTuple):
     deterministic: jax.Array
 
 
-@jax.jit
-def _free_problem(logits: jax.Array, k: jax.Array) -> _FreeProblem:
+@partial(jax.jit, static_argnames="bound")
+def _free_problem(logits: jax.Array, k: jax.Array, bound: int) -> _FreeProblem:
+    """``bound``: the largest valid k, ``min(n, k_max)``. A k outside ``0..bound`` or not a
+    whole number (possible only when traced: concrete ones are checked) is infeasible, and
+    the kernels get k = 0 there, which every table size holds."""
+    valid = (k >= 0) & (k <= bound)
+    if jnp.issubdtype(k.dtype, jnp.floating):
+        valid = valid & (k == jnp.floor(k))
+    k = jnp.where(valid, k, 0).astype(jnp.int32)
     forced_on = logits == jnp.inf
     num_free = jnp.isfinite(logits).sum(-1)
     k_free = k - forced_on.sum(-1).astype(k.dtype)
-    infeasible = (k_free < 0) | (k_free > num_free)
+    infeasible = ~valid | (k_free < 0) | (k_free > num_free)
     k_free = jnp.clip(k_free, 0, num_free).astype(k.dtype)
     deterministic = (k_free == 0) | (k_free == num_free)
     return _FreeProblem(jnp.where(forced_on, -jnp.inf, logits), k_free, infeasible, deterministic)

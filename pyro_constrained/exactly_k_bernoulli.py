@@ -5,14 +5,13 @@ The numerical work (log normaliser, marginals, exact sampling) lives in
 validation, shapes and the framework's protocols.
 """
 
-from numbers import Integral
-
 import torch
 from pyro.distributions import Bernoulli, TorchDistribution
-from torch.distributions import constraints
+from torch.distributions import Distribution, constraints
 from torch.distributions.kl import register_kl
 from torch.distributions.utils import lazy_property
 
+from constrained_ppl_common.arguments import check_count, check_static_bound, check_value_shape
 from pyro_constrained import exactly_k_kernels as kernels
 
 __all__ = ["ExactlyKBernoulli", "KHot"]
@@ -53,14 +52,12 @@ class KHot(constraints.Constraint):
 
 
 def _as_k(k, logits: torch.Tensor) -> torch.Tensor:
-    if isinstance(k, bool) or not (
-        isinstance(k, Integral)
-        or (isinstance(k, torch.Tensor) and not k.is_floating_point() and not k.is_complex())
-    ):
-        raise ValueError(f"k must be a Python int or an integer tensor, got {k!r}")
-    if isinstance(k, torch.Tensor) and k.dtype == torch.bool:
-        raise ValueError("k must be an integer tensor, got a bool tensor")
-    return torch.as_tensor(k, dtype=torch.long, device=logits.device)
+    """``k`` as a long tensor, after the count rule of ``check_count`` (an int, an integer
+    tensor, or whole-number floats; 3.5, bools, complex numbers and NaN are a
+    ``ValueError``). Torch values are always concrete, so a float k is checked entry by
+    entry and its whole numbers converted exactly."""
+    check_count(k, concrete=True, name="k")
+    return torch.as_tensor(k, device=logits.device).to(torch.long)
 
 
 def _value_with_gradient_of(value: torch.Tensor, formula: torch.Tensor) -> torch.Tensor:
@@ -101,8 +98,19 @@ class ExactlyKBernoulli(TorchDistribution):
 
     :param logits: log-odds, shape ``batch + (n,)``; entries may be ``+-inf``.
     :param probs: probabilities in [0, 1] instead of logits (exactly one of the two).
-    :param k: the number of ones, a Python int or an integer tensor broadcasting with
-        ``logits.shape[:-1]``; ``0 <= k <= n``.
+    :param k: the number of ones, broadcasting with ``logits.shape[:-1]``: a Python int, an
+        integer tensor, or whole-number floats (``3.0``, as ``Binomial.total_count``), stored
+        as a long tensor; ``3.5``, a bool, a complex number or NaN is a ``ValueError``
+        whatever ``validate_args`` says. ``0 <= k <= n`` is checked with validation on
+        (``ValueError``); without it, out-of-range entries give ``-inf`` log-probabilities
+        and NaN moments.
+    :param k_max: an optional bound on ``k`` (a Python int), for API parity with NumPyro,
+        where it sizes the tables of a traced ``k``; here k is always concrete, the tables
+        are sized by its largest entry, and a ``k`` above ``k_max`` is a ``ValueError``.
+
+    ``log_prob`` of a value outside the support is a ``ValueError`` with validation on and
+    ``-inf`` without; a value whose shape does not end in the event shape or does not
+    broadcast with the batch shape is a ``ValueError`` always.
 
     ``rsample`` returns an exact k-hot sample ``z`` whose gradient is that of the conditional
     marginals ``mu`` (the SIMPLE estimator): ``z + (mu - mu.detach())``.
@@ -110,7 +118,13 @@ class ExactlyKBernoulli(TorchDistribution):
 
     # probs first: given probs, the logits derived from them are NaN where probs are invalid,
     # and the error should name what the caller passed.
-    arg_constraints = {"probs": constraints.unit_interval, "logits": _ExtendedReal()}
+    # The last axis of logits and probs is the event (event_dim 1), as torch's
+    # test_params_constraints and NumPyro's promote_batch_shape read it.
+    arg_constraints = {
+        "probs": constraints.independent(constraints.unit_interval, 1),
+        "logits": constraints.independent(_ExtendedReal(), 1),
+        "k": constraints.nonnegative_integer,
+    }
     has_rsample = True
     has_enumerate_support = False
 
@@ -119,11 +133,13 @@ class ExactlyKBernoulli(TorchDistribution):
         logits: torch.Tensor | None = None,
         probs: torch.Tensor | None = None,
         *,
-        k: int | torch.Tensor,
+        k: int | float | torch.Tensor,
+        k_max: int | None = None,
         validate_args: bool | None = None,
     ):
         if (logits is None) == (probs is None):
             raise ValueError("ExactlyKBernoulli: give exactly one of `logits` or `probs`")
+        self.k_max = check_static_bound(k_max)
         if probs is not None:
             probs = torch.as_tensor(probs)
             if not probs.is_floating_point():
@@ -150,19 +166,26 @@ class ExactlyKBernoulli(TorchDistribution):
         if probs is not None:
             self.probs = probs.expand(batch_shape + event_shape)
         self.k = k.expand(batch_shape)
+        # Before Distribution.__init__, whose checks of arg_constraints give less specific
+        # messages.
+        validate = Distribution._validate_args if validate_args is None else validate_args
+        self._check_k(validate)
         super().__init__(batch_shape, event_shape, validate_args=validate_args)
-        self._check_k()
 
-    def _check_k(self) -> None:
-        """With validation on, k in 0..n and feasible with the infinite logits (ValueError
-        otherwise). Sets ``_k_max`` and, with validation off, marks the batch elements whose
-        constraint is impossible: their log-probabilities are ``-inf``."""
-        n = self.event_shape[0]
+    def _check_k(self, validate: bool) -> None:
+        """k not above ``k_max`` (always a ``ValueError``); with validation on, k in 0..n and
+        feasible with the infinite logits (``ValueError`` otherwise). Sets ``_table_size``
+        (the kernels' table size, the largest count among the free variables) and, with
+        validation off, marks the batch elements whose constraint is impossible: their
+        log-probabilities are ``-inf``."""
+        n = self.logits.shape[-1]
+        if self.k_max is not None and self.k.numel() and self.k.max() > self.k_max:
+            raise ValueError(f"k must be at most k_max = {self.k_max}, got {int(self.k.max())}")
         with torch.no_grad():
             forced_on = (self.logits == torch.inf).sum(-1)
             forced_off = (self.logits == -torch.inf).sum(-1)
             infeasible = (self.k < forced_on) | (self.k > n - forced_off)
-        if self._validate_args:
+        if validate:
             if self.k.numel() and (self.k.min() < 0 or self.k.max() > n):
                 raise ValueError(f"k must be in 0..n = 0..{n}, got {self.k.unique().tolist()}")
             if infeasible.any():
@@ -173,7 +196,7 @@ class ExactlyKBernoulli(TorchDistribution):
                 )
         self._infeasible = infeasible
         k_free = (self.k - forced_on).clamp(min=0)
-        self._k_max = int(k_free.max().clamp(max=n)) if self.k.numel() else 0
+        self._table_size = int(k_free.max().clamp(max=n)) if self.k.numel() else 0
 
     @constraints.dependent_property(is_discrete=True, event_dim=1)
     def support(self) -> KHot:
@@ -209,13 +232,13 @@ class ExactlyKBernoulli(TorchDistribution):
 
     @lazy_property
     def _normalizer_parts(self) -> kernels.NormalizerParts:
-        return kernels.normalizer_parts(self._kernel_logits, self._k_free, self._k_max)
+        return kernels.normalizer_parts(self._kernel_logits, self._k_free, self._table_size)
 
     @lazy_property
     def _log_normalizer(self) -> torch.Tensor:
         """log e_{k_free}(exp logits) over the finite logits (-inf where infeasible)."""
         log_norm = kernels.log_normalizer(
-            self._kernel_logits, self._k_free, self._k_max, self._normalizer_parts
+            self._kernel_logits, self._k_free, self._table_size, self._normalizer_parts
         )
         return torch.where(self._infeasible, -torch.inf, log_norm)
 
@@ -239,7 +262,7 @@ class ExactlyKBernoulli(TorchDistribution):
         """(mu, 1 - mu): mu_i = P(z_i = 1 | sum z = k), differentiable in the logits; its
         complement computed without rounding (no gradient)."""
         free, free_complement = kernels.marginals_and_complements(
-            self._kernel_logits, self._k_free, self._k_max
+            self._kernel_logits, self._k_free, self._table_size
         )
         return self._complete(free, 1.0, 0.0, 0.0), self._complete(free_complement, 0.0, 1.0, 1.0)
 
@@ -267,8 +290,8 @@ class ExactlyKBernoulli(TorchDistribution):
         """The most likely k-hot vector: ones at the k largest logits (ties go to the lower
         index)."""
         order = torch.sort(self.logits, dim=-1, descending=True, stable=True).indices
-        positions = torch.arange(self.event_shape[0], device=order.device).expand(order.shape)
-        ranks = torch.empty_like(order).scatter_(-1, order, positions)
+        # The inverse permutation (out of place, so that it can be traced by torch.jit).
+        ranks = torch.argsort(order, dim=-1)
         return (ranks < self.k[..., None]).to(self.logits.dtype)
 
     def _respects_infinite_logits(self, value: torch.Tensor) -> torch.Tensor:
@@ -285,12 +308,17 @@ class ExactlyKBernoulli(TorchDistribution):
             )
 
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
-        """``theta . z - log e_k(exp theta)`` for k-hot ``z`` (counting measure); ``-inf``
-        outside the support when validation is off. Differentiable in ``value`` too, so a
-        straight-through sample passes its gradient on.
+        """``theta . z - log e_k(exp theta)`` for k-hot ``z`` (counting measure). Outside the
+        support: ``ValueError`` with validation on, ``-inf`` with it off. A value whose shape
+        does not end in ``event_shape`` or does not broadcast with ``batch_shape`` is a
+        ``ValueError`` always. Differentiable in ``value`` too, so a straight-through sample
+        passes its gradient on.
 
         The value is computed from the tilted logits (``kernels.log_prob_value``), exact to
         the dtype's precision for logits of any size; the gradient is that of the formula."""
+        check_value_shape(
+            tuple(value.shape), self.batch_shape, self.event_shape, "ExactlyKBernoulli.log_prob"
+        )
         if self._validate_args:
             self._validate_sample(value)
         possible = self.support.check(value) & self._respects_infinite_logits(value)
@@ -306,7 +334,7 @@ class ExactlyKBernoulli(TorchDistribution):
         """Exact draws of the conditional distribution: 0.0 / 1.0 entries summing to k."""
         self._check_can_sample()
         with torch.no_grad():
-            z = kernels.sample(self._kernel_logits, self._k_free, self._k_max, sample_shape)
+            z = kernels.sample(self._kernel_logits, self._k_free, self._table_size, sample_shape)
             return torch.where(self._forced_on, torch.ones_like(z), z)
 
     def rsample(self, sample_shape: tuple[int, ...] = ()) -> torch.Tensor:
@@ -314,7 +342,7 @@ class ExactlyKBernoulli(TorchDistribution):
         ``z + (mu - mu.detach())`` (its value is exactly ``z``)."""
         self._check_can_sample()
         z, free = kernels.sample_and_marginals(
-            self._kernel_logits, self._k_free, self._k_max, sample_shape
+            self._kernel_logits, self._k_free, self._table_size, sample_shape
         )
         z = torch.where(self._forced_on, torch.ones_like(z), z.detach())
         mu = self._complete(free, 1.0, 0.0, 0.0)
@@ -350,7 +378,7 @@ class ExactlyKBernoulli(TorchDistribution):
         parts = self._normalizer_parts
         if self.logits.dtype != torch.float64:
             wide_logits = self._kernel_logits.detach().to(torch.float64)
-            parts = kernels.normalizer_parts(wide_logits, self._k_free, self._k_max)
+            parts = kernels.normalizer_parts(wide_logits, self._k_free, self._table_size)
         exact = kernels.log_constraint_prob_value(self._kernel_logits, self._k_free, parts)
         softplus = torch.where(self._finite, _softplus(self._finite_logits), 0.0)
         formula = self._log_normalizer - softplus.sum(-1)
@@ -364,7 +392,8 @@ class ExactlyKBernoulli(TorchDistribution):
         if "probs" in self.__dict__:
             new.probs = self.probs.expand(batch_shape + self.event_shape)
         new.k = self.k.expand(batch_shape)
-        new._k_max = self._k_max
+        new._table_size = self._table_size
+        new.k_max = self.k_max
         new._infeasible = self._infeasible.expand(batch_shape)
         super(ExactlyKBernoulli, new).__init__(batch_shape, self.event_shape, validate_args=False)
         new._validate_args = self._validate_args

@@ -90,6 +90,16 @@ _BLOCK_BYTES = 786432
 _DRAW_BLOCK_BYTES = 3145728
 
 
+def _in_place_allowed() -> bool:
+    """In-place operations on fresh buffers save allocations (page faults on multi-megabyte
+    tables), but not under ``torch.jit.trace`` (Pyro's ``JitTrace*_ELBO``): TorchScript
+    may fold a subgraph computed from constants (a prior's logits) into a constant, which an
+    in-place operation then changes at every call, and ``out=`` operations under no_grad
+    are not replayed faithfully. Traced code takes out-of-place forms of the same
+    arithmetic (equal results)."""
+    return not torch.jit.is_tracing()
+
+
 def tilt(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """A constant c per batch element (shape ``batch + (1,)``, no gradient) with
     ``sum_i sigmoid(logits_i + c) ~= k``, for any finite logits however large.
@@ -123,7 +133,9 @@ def tilt(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         unsettled = ~settled & (num_finite[:, 0] > 1)
         if bool(unsettled.any()):
             rows = unsettled.nonzero()[:, 0]
-            c[rows] = _restart_tilt(logits[rows], target[rows], num_finite[rows])
+            restarted = _restart_tilt(logits[rows], target[rows], num_finite[rows])
+            # Out of place: c flows to the outputs (see _in_place_allowed).
+            c = c.index_put((rows,), restarted)
         return c
 
 
@@ -141,12 +153,20 @@ def _newton(logits, target, low, high, c, max_steps: int):
     goal = torch.log(target) - torch.log(n - target)
     # One buffer for all steps (fresh multi-megabyte tensors cost page faults); sums in
     # float64, so that n - f keeps its precision when f is close to n.
-    on = torch.empty_like(logits)
+    # Out of place under torch.jit.trace (see _in_place_allowed).
+    tracing = not _in_place_allowed()
+    on = None if tracing else torch.empty_like(logits)
     for _ in range(max_steps):
-        torch.add(logits, c, out=on).sigmoid_()
+        if tracing:
+            on = torch.sigmoid(logits + c)
+            squares = on * on
+        else:
+            torch.add(logits, c, out=on).sigmoid_()
         count_on = on.sum(-1, keepdim=True, dtype=torch.float64)
         count_off = n - count_on
-        slope = count_on - on.square_().sum(-1, keepdim=True, dtype=torch.float64)
+        if not tracing:
+            squares = on.square_()
+        slope = count_on - squares.sum(-1, keepdim=True, dtype=torch.float64)
         count_on, count_off, slope = (t.to(logits.dtype) for t in (count_on, count_off, slope))
         g = torch.log(count_on) - torch.log(count_off)
         too_many = g > goal
@@ -266,7 +286,9 @@ def _correlate_by_fft(outside: torch.Tensor, right: torch.Tensor, width: int) ->
     weight. Marginals down to 1e-60 keep 1e-12 relative precision
     (tests/test_exactly_k_kernels.py). Negative rounding noise is clamped to zero.
     """
-    length = _fast_fft_length(width + right.shape[-1] - 1)
+    # Python ints: under torch.jit.trace sizes are traced values, and a transform length
+    # computed from them is replayed wrongly (the output had the wrong size).
+    width, length = int(width), _fast_fft_length(int(width) + int(right.shape[-1]) - 1)
     spectrum = torch.fft.rfft(outside, length) * torch.fft.rfft(right, length).conj()
     return torch.fft.irfft(spectrum, length)[..., :width].clamp(min=0.0)
 
@@ -292,9 +314,14 @@ def _shift_and_add(left: torch.Tensor, right: torch.Tensor, width: int, dim: int
     shape = list(left.shape)
     shape[dim] = width
     out = left.new_zeros(shape)
+    in_place = _in_place_allowed()
     for a in range(w_left):
         span = min(w_right, width - a)
-        out.narrow(dim, a, span).addcmul_(left.narrow(dim, a, 1), right.narrow(dim, 0, span))
+        if in_place:
+            out.narrow(dim, a, span).addcmul_(left.narrow(dim, a, 1), right.narrow(dim, 0, span))
+        else:
+            term = left.narrow(dim, a, 1) * right.narrow(dim, 0, span)
+            out = out.index_add(dim, torch.arange(a, a + span, device=out.device), term)
     return out
 
 
@@ -309,10 +336,18 @@ def _shift_and_add_correlate(
     )
     shape[dim] = width
     out = right.new_zeros(shape)
+    in_place = _in_place_allowed()
     for b in range(w_right):
         span = min(width, w_out - b)
-        if span > 0:
+        if span <= 0:
+            continue
+        if in_place:
             out.narrow(dim, 0, span).addcmul_(outside.narrow(dim, b, span), right.narrow(dim, b, 1))
+        else:
+            term = (outside.narrow(dim, b, span) * right.narrow(dim, b, 1)).expand(
+                out.narrow(dim, 0, span).shape
+            )
+            out = out.index_add(dim, torch.arange(span, device=out.device), term)
     return out
 
 
@@ -327,8 +362,11 @@ def _rescale(table: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Te
     info = torch.finfo(table.dtype)
     largest = table.detach().amax(dim, keepdim=True).clamp(min=info.tiny)
     # In place (autograd allows it: neither operation's input is saved for its backward):
-    # fresh multi-megabyte tensors cost page faults.
-    table = F.threshold(table.div_(largest), info.tiny**0.5, 0.0, inplace=True)
+    # fresh multi-megabyte tensors cost page faults. Not under torch.jit.trace.
+    if _in_place_allowed():
+        table = F.threshold(table.div_(largest), info.tiny**0.5, 0.0, inplace=True)
+    else:
+        table = F.threshold(table / largest, info.tiny**0.5, 0.0)
     return table, largest.squeeze(dim)
 
 
@@ -338,8 +376,11 @@ def _leaves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     both width-major, (batch, 2, n)). The log factors, ``max(x_i, 0)``, are added back in
     float64 by ``log_normalizer_value``."""
     shift = x.detach().clamp(min=0.0)
-    on = (x - shift).exp_()
-    weights = torch.stack([shift.neg_().exp_(), on], dim=1)
+    # Out of place: under torch.jit.trace, TorchScript folds ``shift`` of a distribution
+    # whose logits are constants (a model's prior) into a constant, which an in-place
+    # exp_ would then change at every call (measured: the prior's log_prob drifted to NaN
+    # over five JitTrace_ELBO steps). Both are n-sized, small next to the tables.
+    weights = torch.stack([torch.exp(-shift), torch.exp(x - shift)], dim=1)
     tables = F.threshold(weights, torch.finfo(x.dtype).tiny ** 0.5, 0.0)
     return weights, tables
 
@@ -403,7 +444,8 @@ def _upward(tables: torch.Tensor, k_max: int, with_log_scale: bool):
         padded = tables.shape[node_dim] % 2 == 1
         if padded:  # pair the last node with the table of an empty set, [1, 0, ...]
             empty = torch.zeros_like(tables.narrow(node_dim, 0, 1))
-            empty.narrow(width_dim, 0, 1).fill_(1.0)
+            first = torch.zeros(1, dtype=torch.long, device=empty.device)
+            empty = empty.index_fill(width_dim, first, 1.0)
             tables = torch.cat([tables, empty], dim=node_dim)
         left, right = tables.chunk(2, dim=node_dim)
         out_width = min(2 * (width - 1), k_max) + 1
@@ -642,10 +684,14 @@ def _ones_to_left(counts: torch.Tensor, left: torch.Tensor, right: torch.Tensor)
     # One fresh array, then in place (the sampler runs without autograd): weights, their
     # running sums, and those divided by the total.
     share = right.expand(counts.shape + right.shape[-1:]).gather(-1, rest)
-    share.mul_(left).cumsum_(-1)
     # The first split whose share of the total weight reaches 1 - u, u ~ U[0, 1): its own
     # weight is positive, and the last share is exactly 1, so one always exists.
-    share.div_(share[..., -1:].clone())
+    if _in_place_allowed():
+        share.mul_(left).cumsum_(-1)
+        share.div_(share[..., -1:].clone())
+    else:
+        share = (share * left).cumsum(-1)
+        share = share / share[..., -1:]
     uniform = torch.rand(counts.shape + (1,), dtype=share.dtype, device=share.device)
     return torch.searchsorted(share, 1.0 - uniform)[..., 0]
 

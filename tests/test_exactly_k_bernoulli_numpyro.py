@@ -237,10 +237,13 @@ def test_probs_zero_and_one_work_like_infinite_logits():
     np.testing.assert_allclose(log_probs, from_logits.log_prob(subsets), atol=1e-12)
     allowed = np.asarray((subsets[:, 0] == 1) & (subsets[:, 1] == 0))
     assert np.all(log_probs[~allowed] == -INF) and np.all(np.isfinite(log_probs[allowed]))
-    # With validation: such a vector is outside the support, a ValueError.
+    # With validation: such a vector is outside the support, NumPyro's warning and -inf.
     for bad in ([0.0, 1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 1.0, 0.0]):
-        with pytest.raises(ValueError, match="infinite logits allow"):
-            ExactlyKBernoulli(probs=probs, k=2).log_prob(jnp.asarray(bad))
+        with pytest.warns(UserWarning, match="Out-of-support values"):
+            log_prob = ExactlyKBernoulli(probs=probs, k=2, validate_args=True).log_prob(
+                jnp.asarray(bad)
+            )
+        assert float(log_prob) == -INF
     np.testing.assert_allclose(from_probs.mean, from_logits.mean, atol=1e-12)
     z = from_probs.sample(_key(), (200,))
     assert bool(jnp.all(z[:, 0] == 1) & jnp.all(z[:, 1] == 0) & jnp.all(z.sum(-1) == 2))
@@ -326,9 +329,10 @@ def test_log_prob_outside_the_support(value):
     value = jnp.array(value)
     unvalidated = ExactlyKBernoulli(logits=logits, k=2, validate_args=False)
     assert float(unvalidated.log_prob(value)) == -INF
-    if value.sum() != 2 or not bool(jnp.all((value == 0) | (value == 1))):
-        with pytest.raises(ValueError, match="k-hot"):
-            ExactlyKBernoulli(logits=logits, k=2, validate_args=True).log_prob(value)
+    # With validation: NumPyro's "Out-of-support values" warning, and -inf (API.md).
+    validated = ExactlyKBernoulli(logits=logits, k=2, validate_args=True)
+    with pytest.warns(UserWarning, match="Out-of-support values"):
+        assert float(validated.log_prob(value)) == -INF
 
 
 def test_float32_large_n_is_finite_and_close_to_float64():
@@ -399,3 +403,312 @@ def test_svi_trace_elbo_recovers_the_subset():
 @pytest.mark.filterwarnings("ignore:Currently, SVI")
 def test_svi_trace_mean_field_elbo_recovers_the_subset():
     _svi_recovers_the_subset(TraceMeanField_ELBO())
+
+
+# ----------------------------------------------------------------------------------------
+# Framework conformance (issue 15): parameter constraints and promote_batch_shape, the count
+# rule, k_max, stable pytrees, vmap_over, out-of-support values, value shapes, validation
+# inside jit.
+
+
+def _exact_log_prob(theta: np.ndarray, k: int, z: np.ndarray) -> float:
+    """log p(z) by enumeration (the oracle's pmf), for a k-hot row z."""
+    subsets, probs = oracle.exactly_k_pmf(theta, k)
+    (row,) = np.flatnonzero((subsets == z).all(-1))
+    return math.log(probs[row])
+
+
+def test_arg_constraints_have_the_event_dims_of_their_parameters():
+    constraints_ = ExactlyKBernoulli.arg_constraints
+    assert constraints_["logits"].event_dim == 1 and constraints_["probs"].event_dim == 1
+    assert constraints_["k"].event_dim == 0
+    d = ExactlyKBernoulli(logits=jnp.array([[INF, -INF, 0.3], [1e9, 0.0, -2.0]]), k=1)
+    for name, constraint in constraints_.items():
+        # Each check reduces the event dims: one verdict per batch element.
+        verdict = constraint(getattr(d, name))
+        assert jnp.shape(verdict) == d.batch_shape and bool(jnp.all(verdict)), name
+    assert not bool(constraints_["logits"](jnp.array([0.0, math.nan])))
+    assert not bool(constraints_["probs"](jnp.array([0.5, 1.5])))
+
+
+def test_promote_batch_shape_reads_the_event_dims():
+    from numpyro.distributions.batch_util import promote_batch_shape
+
+    d = ExactlyKBernoulli(logits=jnp.zeros((3, 5)), k=jnp.array([1, 2, 3]))
+    # What scan does: the parameters gain a leading axis that batch_shape does not know yet.
+    stacked = jax.tree.map(lambda x: jnp.broadcast_to(x, (4,) + x.shape), d)
+    assert stacked.batch_shape == (3,)
+    promoted = promote_batch_shape(stacked)
+    assert promoted.batch_shape == (4, 3) and promoted.event_shape == (5,)
+
+
+def test_scan_scores_an_observed_site_as_the_unrolled_model_and_enumeration():
+    from numpyro.contrib.control_flow import scan
+    from numpyro.infer.util import log_density
+
+    rng = np.random.default_rng(11)
+    steps, n, k = 6, 5, 2
+    logits = rng.normal(0.0, 1.5, size=(steps, n))
+    values = np.zeros((steps, n))
+    for t in range(steps):
+        values[t, rng.choice(n, k, replace=False)] = 1.0
+
+    def scanned():
+        def step(carry, xs):
+            theta, z = xs
+            numpyro.sample("z", ExactlyKBernoulli(logits=theta, k=k), obs=z)
+            return carry, None
+
+        scan(step, None, (jnp.asarray(logits), jnp.asarray(values)))
+
+    def unrolled():
+        for t in range(steps):
+            d = ExactlyKBernoulli(logits=jnp.asarray(logits[t]), k=k)
+            numpyro.sample(f"z_{t}", d, obs=jnp.asarray(values[t]))
+
+    exact = sum(_exact_log_prob(logits[t], k, values[t]) for t in range(steps))
+    scanned_score = float(log_density(scanned, (), {}, {})[0])
+    unrolled_score = float(log_density(unrolled, (), {}, {})[0])
+    assert abs(unrolled_score - exact) < 1e-10
+    assert abs(scanned_score - exact) < 1e-10
+
+
+@pytest.mark.parametrize("k", [3.0, np.array([3.0, 1.0]), jnp.array([3.0, 1.0])])
+def test_whole_number_float_k_is_the_count(k):
+    logits = np.random.default_rng(12).normal(size=(2, 6))
+    as_float = ExactlyKBernoulli(logits=jnp.asarray(logits), k=k)
+    as_int = ExactlyKBernoulli(logits=jnp.asarray(logits), k=np.asarray(k).astype(int))
+    np.testing.assert_allclose(as_float.mean, as_int.mean, atol=1e-14)
+    np.testing.assert_allclose(as_float.entropy(), as_int.entropy(), atol=1e-14)
+    ks = np.broadcast_to(np.asarray(k), (2,)).astype(int)
+    for row in range(2):
+        expected = oracle.exactly_k_entropy(logits[row], ks[row])
+        assert abs(float(as_float.entropy()[row]) - expected) < 1e-10
+    z = as_float.sample(_key(), (3,))
+    assert bool(jnp.all(z.sum(-1) == jnp.asarray(ks)))
+
+
+@pytest.mark.parametrize("k", [3.5, np.array([2.0, 2.5]), jnp.array(math.nan), True])
+def test_non_whole_k_is_a_value_error_whatever_validate_args(k):
+    for validate_args in (True, False):
+        with pytest.raises(ValueError, match="k must"):
+            ExactlyKBernoulli(logits=jnp.zeros(6), k=k, validate_args=validate_args)
+
+
+def test_traced_non_whole_float_k_gives_nan_and_minus_inf():
+    d = jax.jit(lambda k: ExactlyKBernoulli(logits=jnp.zeros(4), k=k).entropy())
+    assert math.isnan(float(d(jnp.asarray(1.5))))
+    assert abs(float(d(jnp.asarray(2.0))) - math.log(6)) < 1e-12
+
+
+def _all_quantities(d: ExactlyKBernoulli, value, other: ExactlyKBernoulli):
+    return dict(
+        log_prob=d.log_prob(value),
+        log_constraint_prob=d.log_constraint_prob(),
+        entropy=d.entropy(),
+        mean=d.mean,
+        variance=d.variance,
+        sample=d.sample(_key(), (2,)),
+        kl=kl_divergence(d, other),
+    )
+
+
+@pytest.mark.parametrize("k_max", [None, 3])
+@pytest.mark.parametrize("bad_k", [-1, 6, 4])
+def test_traced_k_out_of_range_gives_nan_or_minus_inf_never_a_number(k_max, bad_k):
+    n = 5
+    if bad_k == 4 and k_max is None:
+        bad_k = n + 2  # k_max = None bounds k by n only
+    theta = jnp.asarray(np.random.default_rng(13).normal(size=n))
+
+    def quantities(k):
+        d = ExactlyKBernoulli(logits=theta, k=k, k_max=k_max, validate_args=True)
+        other = ExactlyKBernoulli(logits=theta[::-1], k=k, k_max=k_max)
+        return _all_quantities(d, jnp.array([1.0, 1.0, 0.0, 0.0, 0.0]), other)
+
+    got = jax.jit(quantities)(jnp.asarray(bad_k))
+    for name in ("log_prob", "log_constraint_prob"):
+        assert float(got[name]) == -INF, name
+    for name in ("entropy", "mean", "variance", "sample", "kl"):
+        assert bool(jnp.all(jnp.isnan(got[name]))), name
+    # And a traced k in range gives the enumerated values (tables of size k_max or n).
+    good = jax.jit(quantities)(jnp.asarray(2))
+    assert abs(float(good["entropy"]) - oracle.exactly_k_entropy(np.asarray(theta), 2)) < 1e-10
+    np.testing.assert_allclose(
+        good["mean"], oracle.exactly_k_marginals(np.asarray(theta), 2), atol=1e-10
+    )
+
+
+def test_traced_k_sizes_the_tables_by_k_max_and_concrete_k_by_its_value():
+    sizes = []
+
+    def entropy(k):
+        d = ExactlyKBernoulli(logits=jnp.zeros(40), k=k, k_max=5)
+        sizes.append(d._table_size)
+        return d.entropy()
+
+    traced = jax.jit(entropy)(jnp.asarray(5))
+    assert sizes == [5]
+    assert abs(float(traced) - math.log(math.comb(40, 5))) < 1e-10
+    entropy(3)
+    assert sizes[-1] == 4  # concrete: the power of two above 3
+    entropy(jnp.asarray(5.0))
+    assert sizes[-1] == 8 and ExactlyKBernoulli(logits=jnp.zeros(6), k=5).k_max is None
+
+
+def test_concrete_k_above_k_max_is_a_value_error():
+    for validate_args in (True, False):
+        with pytest.raises(ValueError, match="k_max"):
+            ExactlyKBernoulli(
+                logits=jnp.zeros(6), k=jnp.array([1, 4]), k_max=3, validate_args=validate_args
+            )
+    with pytest.raises(ValueError, match="k_max"):
+        ExactlyKBernoulli(logits=jnp.zeros(6), k=1, k_max=2.5)
+
+
+def _treedef(d):
+    return jax.tree_util.tree_structure(d)
+
+
+@pytest.mark.parametrize("given", ["logits", "probs"])
+def test_pytree_structure_depends_only_on_construction(given):
+    theta = jnp.array([[0.3, -1.0, 2.0, 0.0], [INF, -0.5, 1.0, -INF]])
+    kwargs = {given: theta if given == "logits" else jax.nn.sigmoid(theta)}
+    d = ExactlyKBernoulli(**kwargs, k=jnp.array([2, 2]), k_max=3)
+    before = _treedef(d)
+    leaves, treedef = jax.tree_util.tree_flatten(d)
+    rebuilt = jax.tree_util.tree_unflatten(treedef, leaves)
+    assert _treedef(rebuilt) == before and rebuilt.k_max == 3
+    d.probs, d.mean, d.variance, d.entropy(), d.log_prob(jnp.array([1.0, 1.0, 0.0, 0.0]))
+    d.sample(_key()), d.log_constraint_prob(), d.support, d.mode
+    assert _treedef(d) == before
+    assert _treedef(jax.tree_util.tree_unflatten(treedef, leaves)) == before
+    # Traced k inside jit: the same structure (aux data is k_max as given, not derived).
+    structures = []
+    jax.jit(lambda k: structures.append(_treedef(ExactlyKBernoulli(**kwargs, k=k, k_max=3))))(
+        jnp.array([2, 2])
+    )
+    assert structures == [before]
+
+
+def test_a_distribution_is_a_lax_scan_carry_and_a_jit_argument():
+    rng = np.random.default_rng(14)
+    theta = jnp.asarray(rng.normal(size=(3, 6)))
+    ks = jnp.array([1, 2, 4])
+    init = ExactlyKBernoulli(logits=theta, k=ks, k_max=4)
+
+    def body(d, shift):
+        # Rebuilt inside the body from traced parameters (k included).
+        new = ExactlyKBernoulli(logits=d.logits + shift, k=d.k, k_max=d.k_max)
+        return new, new.entropy()
+
+    final, entropies = jax.lax.scan(body, init, jnp.array([0.5, -1.0, 2.0]))
+    assert type(final) is ExactlyKBernoulli and final.k_max == 4
+    np.testing.assert_allclose(final.logits, theta + 1.5, atol=1e-12)
+    for row in range(3):
+        want = oracle.exactly_k_entropy(np.asarray(theta[row]), int(ks[row]))
+        # Adding one constant to every logit leaves the distribution unchanged.
+        np.testing.assert_allclose(entropies[:, row], want, atol=1e-10)
+    # A jit argument (its k traced), before and after its lazy values were asked for.
+    for _ in range(2):
+        got = jax.jit(lambda d: (d.entropy(), d.mean))(init)
+        np.testing.assert_allclose(got[0], init.entropy(), atol=1e-12)
+        np.testing.assert_allclose(got[1], init.mean, atol=1e-12)
+        init.probs, init.mean  # noqa: B018
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        (jnp.array([0.3, -1.0, 2.0, 0.0]), None, 2),
+        (jnp.array([[0.3, -1.0, 2.0, 0.0], [INF, 0.0, -INF, 1.0]]), None, jnp.array([0, 2])),
+        (None, jnp.array([0.2, 0.5, 1.0, 0.0]), jnp.array(2)),
+        (jnp.array([0.3, -1.0, 2.0, 0.0]), None, 0),
+    ],
+)
+def test_vmap_over_as_numpyros_test_vmap_dist_uses_it(params):
+    # numpyro's test/test_distributions.py::test_vmap_dist, with k keyword-only.
+    names = ["logits", "probs", "k"]
+
+    def make(logits, probs, k):
+        return ExactlyKBernoulli(logits, probs, k=k)
+
+    d = make(*params)
+    vmappable = [i for i, p in enumerate(params) if p is not None]
+    cases = [(tuple(0 if i in vmappable else None for i in range(3)), 0)]
+    for idx in vmappable:
+        single = [0 if i == idx else None for i in range(3)]
+        cases.append((single, 0))
+        cases.append((single, vmap_over(d, **{names[idx]: 0})))
+        if isinstance(params[idx], jnp.ndarray) and params[idx].ndim > 0:
+            cases.append(
+                ([1 if i == idx else None for i in range(3)], vmap_over(d, **{names[idx]: 1}))
+            )
+    for in_axes, out_axes in cases:
+        batched = [
+            jnp.expand_dims(jnp.asarray(p), ax) if isinstance(ax, int) else p
+            for p, ax in zip(params, in_axes, strict=True)
+        ]
+        d = make(*params)
+        batched_d = jax.vmap(make, in_axes=in_axes, out_axes=out_axes)(*batched)
+        eq = jax.vmap(_tree_equal_traced, in_axes=(out_axes, None))(batched_d, d)
+        assert bool(jnp.all(eq)), (in_axes, out_axes)
+        one = d.sample(_key())
+        many = jax.vmap(lambda d: d.sample(_key()), in_axes=(out_axes,))(batched_d)
+        assert many.shape == (1, *one.shape)
+
+
+def _tree_equal_traced(a, b):
+    equal = jax.tree.map(lambda x, y: jnp.all((x == y) | (jnp.isnan(x) & jnp.isnan(y))), a, b)
+    return jnp.all(jnp.stack(jax.tree.leaves(equal)))
+
+
+def test_vmap_over_maps_logits_and_probs_together():
+    d = ExactlyKBernoulli(logits=jnp.zeros(4), k=2)
+    axes = vmap_over(d, logits=0)
+    assert axes.logits == 0 and axes.probs == 0 and axes.k is None
+    axes = vmap_over(d, probs=1, k=0)
+    assert axes.logits == 1 and axes.probs == 1 and axes.k == 0
+
+
+@pytest.mark.parametrize("value", OUTSIDE)
+def test_validated_log_prob_outside_the_support_warns_and_gives_minus_inf(value):
+    logits = jnp.array([INF, -INF, 0.3, -0.2])
+    d = ExactlyKBernoulli(logits=logits, k=2, validate_args=True)
+    with pytest.warns(UserWarning, match="Out-of-support values"):
+        assert float(d.log_prob(jnp.array(value))) == -INF
+    # Under jit the check is skipped (a traced value), the score is still -inf.
+    assert float(jax.jit(d.log_prob)(jnp.array(value))) == -INF
+
+
+@pytest.mark.parametrize("shape", [(5,), (3,), (2, 4), (4, 1)])
+def test_log_prob_of_a_wrong_shape_is_a_value_error_naming_the_expected_shape(shape):
+    d = ExactlyKBernoulli(logits=jnp.zeros((3, 4)), k=2)
+    with pytest.raises(ValueError, match=r"\(\.\.\., 3, 4\)"):
+        d.log_prob(jnp.zeros(shape))
+    assert d.log_prob(jnp.array([1.0, 1.0, 0.0, 0.0])).shape == (3,)
+
+
+def test_validation_inside_jit_checks_closed_over_constants_without_tracer_errors():
+    logits = np.random.default_rng(15).normal(size=(2, 5))
+    probs = 1 / (1 + np.exp(-logits))
+
+    @jax.jit
+    def entropy():
+        by_logits = ExactlyKBernoulli(logits=jnp.asarray(logits), k=2, validate_args=True)
+        by_probs = ExactlyKBernoulli(probs=probs, k=np.array([1, 3.0]), validate_args=True)
+        return by_logits.entropy(), by_probs.entropy()
+
+    got = entropy()
+    for row in range(2):
+        assert abs(float(got[0][row]) - oracle.exactly_k_entropy(logits[row], 2)) < 1e-10
+        want = oracle.exactly_k_entropy(logits[row], [1, 3][row])
+        assert abs(float(got[1][row]) - want) < 1e-10
+    # Concrete constants are still checked under jit.
+    zeros, twos, forced = jnp.zeros(4), jnp.full(4, 2.0), jnp.array([INF, INF, 0.0])
+    with pytest.raises(ValueError, match="0..n"):
+        jax.jit(lambda: ExactlyKBernoulli(logits=zeros, k=5, validate_args=True).mean)()
+    with pytest.raises(ValueError, match="impossible"):
+        jax.jit(lambda: ExactlyKBernoulli(logits=forced, k=1, validate_args=True).mean)()
+    with pytest.raises(ValueError, match="invalid probs"):
+        jax.jit(lambda: ExactlyKBernoulli(probs=twos, k=1, validate_args=True).mean)()

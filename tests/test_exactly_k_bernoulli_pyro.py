@@ -284,7 +284,8 @@ BAD_INPUTS = [
     (dict(logits=torch.zeros(4), k=-1), "k must be in 0..n"),
     (dict(logits=torch.zeros(4), k=torch.tensor([1, 5])), "k must be in 0..n"),
     (dict(logits=torch.zeros(4), k=1.5), "k must be"),
-    (dict(logits=torch.zeros(4), k=torch.tensor(2.0)), "k must be"),
+    (dict(logits=torch.zeros(4), k=torch.tensor([2.0, 2.5])), "k must"),
+    (dict(logits=torch.zeros(4), k=2, k_max=1), "k_max"),
     (dict(logits=torch.zeros(4), k=True), "k must be"),
     (dict(logits=torch.zeros(3, 4), k=torch.tensor([1, 2])), "broadcast"),
     (dict(logits=torch.tensor(0.0), k=0), "at least one dimension"),
@@ -376,3 +377,160 @@ def test_svi_trace_elbo_recovers_the_subset():
 
 def test_svi_trace_mean_field_elbo_recovers_the_subset():
     _svi_recovers_the_subset(TraceMeanField_ELBO())
+
+
+# ----------------------------------------------------------------------------------------
+# Framework conformance (issue 15): parameter constraints, the count rule, k_max, value
+# shapes, and Pyro's JIT ELBOs.
+
+
+def test_arg_constraints_have_the_event_dims_of_their_parameters():
+    # torch's test_params_constraints: every parameter satisfies its constraint, checked
+    # with the constraint's event_dim (one verdict per batch element).
+    constraints_ = ExactlyKBernoulli.arg_constraints
+    assert constraints_["logits"].event_dim == 1 and constraints_["probs"].event_dim == 1
+    assert constraints_["k"].event_dim == 0
+    logits = torch.tensor([[INF, -INF, 0.3], [1e9, 0.0, -2.0]])
+    for d in (
+        ExactlyKBernoulli(logits=logits, k=1),
+        ExactlyKBernoulli(probs=torch.sigmoid(logits), k=torch.tensor([1, 2])),
+    ):
+        for name, constraint in constraints_.items():
+            verdict = constraint.check(getattr(d, name))
+            assert verdict.shape == d.batch_shape and bool(verdict.all()), name
+    assert not constraints_["logits"].check(torch.tensor([0.0, math.nan]))
+    assert not constraints_["probs"].check(torch.tensor([0.5, 1.5]))
+
+
+@pytest.mark.parametrize("k", [3.0, torch.tensor([3.0, 1.0]), np.array([3.0, 1.0])])
+def test_whole_number_float_k_is_the_count(k):
+    logits = torch.tensor(np.random.default_rng(12).normal(size=(2, 6)))
+    d = ExactlyKBernoulli(logits=logits, k=k)
+    assert d.k.dtype == torch.long
+    ks = np.broadcast_to(np.asarray(k, dtype=float), (2,)).astype(int)
+    assert d.k.tolist() == ks.tolist()
+    for row in range(2):
+        expected = oracle.exactly_k_entropy(logits[row].numpy(), ks[row])
+        assert abs(d.entropy()[row].item() - expected) < 1e-10
+    assert (d.sample((3,)).sum(-1) == torch.tensor(ks, dtype=torch.float64)).all()
+
+
+@pytest.mark.parametrize("k", [3.5, torch.tensor([2.0, 2.5]), math.nan, torch.tensor(True)])
+def test_non_whole_k_is_a_value_error_whatever_validate_args(k):
+    for validate_args in (True, False):
+        with pytest.raises(ValueError, match="k must"):
+            ExactlyKBernoulli(logits=torch.zeros(6), k=k, validate_args=validate_args)
+
+
+def test_k_max_is_accepted_kept_and_checked_against_k():
+    d = ExactlyKBernoulli(
+        logits=torch.zeros(6, dtype=torch.float64), k=torch.tensor([1, 3]), k_max=3
+    )
+    assert d.k_max == 3 and d.expand((4, 2)).k_max == 3
+    assert abs(d.entropy()[1].item() - math.log(math.comb(6, 3))) < 1e-12
+    assert ExactlyKBernoulli(logits=torch.zeros(6), k=2).k_max is None
+    for validate_args in (True, False):
+        with pytest.raises(ValueError, match="k_max"):
+            ExactlyKBernoulli(
+                logits=torch.zeros(6), k=torch.tensor([1, 4]), k_max=3, validate_args=validate_args
+            )
+    with pytest.raises(ValueError, match="k_max"):
+        ExactlyKBernoulli(logits=torch.zeros(6), k=1, k_max=-1)
+
+
+@pytest.mark.parametrize("shape", [(5,), (3,), (2, 4), (4, 1)])
+def test_log_prob_of_a_wrong_shape_is_a_value_error_naming_the_expected_shape(shape):
+    for validate_args in (True, False):
+        d = ExactlyKBernoulli(logits=torch.zeros(3, 4), k=2, validate_args=validate_args)
+        with pytest.raises(ValueError, match=r"\(\.\.\., 3, 4\)"):
+            d.log_prob(torch.zeros(shape))
+    assert d.log_prob(torch.tensor([1.0, 1.0, 0.0, 0.0])).shape == (3,)
+
+
+def _jit_model_and_guide(n: int, k: int = 2):
+    prior = torch.linspace(-1.0, 1.0, n, dtype=torch.float64)
+    start = torch.tensor(np.random.default_rng(17).normal(0.0, 1.0, size=n))
+
+    def model():
+        pyro.sample("z", ExactlyKBernoulli(logits=prior, k=k))
+
+    def guide():
+        logits = pyro.param("logits", start.clone())
+        pyro.sample("z", ExactlyKBernoulli(logits=logits, k=k))
+
+    return model, guide, prior, start
+
+
+@pytest.mark.filterwarnings("ignore")  # TracerWarnings of torch.jit.trace, SVI's discrete site
+@pytest.mark.parametrize(
+    "elbo, jit_elbo",
+    [
+        (pyro.infer.Trace_ELBO, pyro.infer.JitTrace_ELBO),
+        (pyro.infer.TraceMeanField_ELBO, pyro.infer.JitTraceMeanField_ELBO),
+        (pyro.infer.TraceGraph_ELBO, pyro.infer.JitTraceGraph_ELBO),
+    ],
+)
+@pytest.mark.parametrize("n, k", [(6, 2), (40, 38)])
+def test_jit_elbos_give_the_losses_and_steps_of_their_non_jit_versions(elbo, jit_elbo, n, k):
+    """A model with an ExactlyKBernoulli prior of constant logits and a guide with learnable
+    logits. (1) With a fixed guide, every JIT loss is log q(z) - log p(z) of some k-hot z
+    (enumerated) or, for the mean-field ELBO, the exact KL: the traced graph must not change
+    between calls (with some of the kernels' in-place operations left under tracing,
+    TorchScript folded the prior's leaf shifts into a constant that an in-place exp_ then
+    changed at every call, and the losses drifted to NaN). (2) SVI steps with the same seed
+    per step give the same losses and parameters as the non-JIT ELBO (each compiled once
+    first: compiling draws random numbers). k = 38 in float64 takes the FFT correlations,
+    whose traced transform sizes were replayed wrongly (a RuntimeError) before they were
+    made Python ints."""
+    model, guide, prior, start = _jit_model_and_guide(n, k)
+    pyro.clear_param_store()
+    q = ExactlyKBernoulli(logits=start, k=k)
+    p = ExactlyKBernoulli(logits=prior, k=k)
+    subsets = torch.tensor(oracle.k_subsets(n, k), dtype=torch.float64)
+    exact = (q.log_prob(subsets) - p.log_prob(subsets)).numpy()
+    kl = oracle.exactly_k_kl(q.logits.numpy(), prior.numpy(), k)
+    jit = jit_elbo()
+    pyro.set_rng_seed(0)
+    for _ in range(12):
+        loss = jit.loss(model, guide)
+        if jit_elbo is pyro.infer.JitTraceMeanField_ELBO:
+            assert abs(loss - kl) < 1e-12
+        else:
+            assert np.min(np.abs(exact - loss)) < 1e-12, loss
+    runs = []
+    for make in (elbo, jit_elbo):
+        pyro.clear_param_store()
+        objective = make()
+        objective.loss_and_grads(model, guide)  # compiles the JIT version
+        pyro.param("logits").grad = None
+        svi = SVI(model, guide, Adam({"lr": 0.1}), objective)
+        losses = []
+        for step in range(8):
+            pyro.set_rng_seed(step)
+            losses.append(svi.step())
+        runs.append((np.array(losses), pyro.param("logits").detach().clone()))
+    np.testing.assert_allclose(runs[1][0], runs[0][0], atol=1e-12)
+    torch.testing.assert_close(runs[1][1], runs[0][1], atol=1e-12, rtol=0)
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+def test_traced_kernels_equal_eager_ones_at_sizes_that_use_every_path():
+    # float64 and float32, n large enough for blocked and transposed (node-major) tables.
+    rng = np.random.default_rng(16)
+    for dtype in (torch.float64, torch.float32):
+        logits = torch.tensor(rng.normal(0.0, 2.0, size=(3, 70)), dtype=dtype)
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-12
+
+        def quantities(x):
+            d = ExactlyKBernoulli(logits=x, k=torch.tensor([1, 35, 69]))
+            z = d.sample((4,))
+            return d.mean, d.entropy(), d.log_prob(z), d.log_constraint_prob(), z
+
+        traced = torch.jit.trace(quantities, (logits,), check_trace=False)
+        for shift in (0.0, 0.5):
+            torch.manual_seed(3)
+            want = quantities(logits + shift)
+            torch.manual_seed(3)
+            got = traced(logits + shift)
+            for a, b in zip(got, want, strict=True):
+                torch.testing.assert_close(a, b, atol=tolerance, rtol=0)
