@@ -23,10 +23,6 @@ Conventions tested are those of issue 15 (``CONVENTIONS.md``): parameter constra
 the event_dim of the parameter; a value of the wrong shape is a ``ValueError`` whatever
 ``validate_args`` says; a value outside the support is a ``ValueError`` with validation on
 and gets ``-inf`` with it off; bad parameters are a ``ValueError`` with validation on.
-
-Tests that fail today because of a known library problem are marked
-``xfail(strict=True)`` with the cause (``KNOWN_FAILURES``): when the fix lands the strict
-xfail fails, and the mark is to be removed.
 """
 
 from __future__ import annotations
@@ -36,7 +32,6 @@ import math
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
-from fnmatch import fnmatch
 
 import pyro
 import pyro.distributions as dist
@@ -252,45 +247,15 @@ def _is(case: Case, *prefixes: str) -> bool:
     return case.id.startswith(prefixes)
 
 
-# ------------------------------------------------------------------------------------------
-# Known library failures (xfail, strict): test name -> {case id prefix: reason}.
-
-_EVENT_DIM_CAUSE = (
-    "arg_constraints carry event_dim 0 for a parameter whose last axis is the event "
-    "(issue 15 / CONVENTIONS.md decision 1)"
-)
-_EKB_NO_K_CONSTRAINT = "ExactlyKBernoulli.arg_constraints has no 'k' entry (decision 1)"
-_SHAPE_CAUSE = (
-    "log_prob does not raise ValueError for a value whose shape does not fit "
-    "(CONVENTIONS.md decision 7, check_value_shape not used yet)"
-)
-
-KNOWN_FAILURES: dict[str, dict[str, str]] = {}
-
-
-def _known(test: str, patterns: tuple[str, ...], reason: str) -> None:
-    """Register a strict xfail of ``test`` for the param ids matching any of ``patterns``
-    (``fnmatch`` globs; a pattern without a glob character matches as a prefix)."""
-    for pattern in patterns:
-        if not any(char in pattern for char in "*?["):
-            pattern += "*"
-        KNOWN_FAILURES.setdefault(test, {})[pattern] = reason
-
-
 def _params(test: str, cases=CASES, variants=None):
-    """``cases`` (times ``variants``, a list of ``(tag, value)``) as pytest params, with
-    the strict xfails registered for ``test``."""
-    marks = KNOWN_FAILURES.get(test, {})
+    """``cases`` (times ``variants``, a list of ``(tag, value)``) as pytest params for
+    ``test``."""
     out = []
     for case in cases:
         for tag, value in variants or [(None, None)]:
             param_id = case.id if tag is None else f"{case.id}-{tag}"
             values = (case,) if tag is None else (case, value)
-            reasons = sorted(
-                {reason for pattern, reason in marks.items() if fnmatch(param_id, pattern)}
-            )
-            mark = [pytest.mark.xfail(reason="; ".join(reasons), strict=True)] if reasons else []
-            out.append(pytest.param(*values, id=param_id, marks=mark))
+            out.append(pytest.param(*values, id=param_id))
     return out
 
 
@@ -407,9 +372,6 @@ def _shape_types():
 # ------------------------------------------------------------------------------------------
 # Constraints: torch's test_params_constraints / test_support_constraints / attributes
 
-_known("test_arg_constraints_event_dims", ("ekb",), _EVENT_DIM_CAUSE)
-_known("test_arg_constraints_event_dims", ("ekb",), _EKB_NO_K_CONSTRAINT)
-
 
 @pytest.mark.parametrize("case", _params("test_arg_constraints_event_dims"))
 def test_arg_constraints_event_dims(case):
@@ -422,10 +384,6 @@ def test_arg_constraints_event_dims(case):
         assert constraint.event_dim == expected[name], (name, constraint)
     if "k" in d.arg_constraints and case.cls in (EKB, CP):
         assert d.arg_constraints["k"].is_discrete
-
-
-_known("test_params_constraints", ("ekb-batched", "ekb-per-batch-k"), _EVENT_DIM_CAUSE)
-_known("test_params_constraints", ("ekb-k0", "ekb-probs", "ekb-f64"), _EVENT_DIM_CAUSE)
 
 
 @pytest.mark.parametrize("case", _params("test_params_constraints"))
@@ -559,8 +517,6 @@ def _indices(shape):
 
 
 # With validation on, torch's _validate_sample catches what EKB misses.
-_known("test_score_errors_event_dim_mismatch", ("ekb-*-novalidate",), _SHAPE_CAUSE)
-_known("test_score_errors_non_broadcastable_data_shape", ("ekb-*-novalidate",), _SHAPE_CAUSE)
 
 
 @pytest.mark.parametrize(
@@ -1003,15 +959,7 @@ def test_validate_args_bad_parameters(cls, kwargs, range_only):
             assert torch.isnan(d.mean[out_of_range.expand(d.batch_shape)]).all()
 
 
-_COUNT_CAUSE = (
-    "counts do not follow the one rule of CONVENTIONS.md decision 2 yet "
-    "(constrained_ppl_common.arguments.check_count not used)"
-)
-_K_MAX_CAUSE = "no k_max keyword in the Pyro class yet (CONVENTIONS.md decision 3, API parity)"
 _COUNT_CASES = [case for case in CASES if case.id in ("ekb-unbatched", "cp-unbatched")]
-_known("test_count_rule", ("ekb-*-whole-float",), _COUNT_CAUSE)
-_known("test_count_rule", ("ekb-*-float-tensor",), _COUNT_CAUSE)
-_known("test_k_max", ("ekb",), _K_MAX_CAUSE)
 
 _COUNTS = [
     # (tag, k given for the case's k = K, whether it is a count)
