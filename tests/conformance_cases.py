@@ -102,7 +102,8 @@ def _tril(n, dtype="float32"):
 
 
 EKB_CASES = [
-    Case(EKB, "ekb-unbatched", {"logits": _f((4,)), "k": 2}, (), (4,)),
+    # k = 1 < n / 2: a concrete k's power-of-two table bound (2) differs from n (4).
+    Case(EKB, "ekb-unbatched", {"logits": _f((4,)), "k": 1}, (), (4,)),
     Case(EKB, "ekb-batched", {"logits": _f((3, 4)), "k": 2}, (3,), (4,)),
     # k = 0 and k = n inside one batch, beside an interior k.
     Case(

@@ -79,7 +79,99 @@ CORE_IDS = (
 )
 CORE_CASES = [case for case in ALL_CASES if case.id in CORE_IDS]
 
-KNOWN_FAILURES: dict[tuple[str, str], str] = {}
+_EKB_ARG_CONSTRAINTS = (
+    "EKB: probs / logits declare event_dim-0 constraints and k is not in arg_constraints "
+    "(decision 1: event_dim 1 for logits / probs; k nonnegative_integer, event_dim 0)"
+)
+_CP_ARG_CONSTRAINTS = "CP: rate declares an event_dim-0 constraint (decision 1: event_dim 1)"
+_LCN_COVARIANCE_ARG = (
+    "LCN: covariance_matrix is not declared in arg_constraints (decision 1: its usual matrix "
+    "constraint, event_dim 2)"
+)
+_EKB_K_NOT_AN_ARG = "EKB: k is not in arg_constraints, so get_args() leaves it out (decision 1)"
+_VALUE_SHAPE = (
+    "log_prob with a value of the wrong shape raises a raw JAX TypeError instead of a "
+    "ValueError naming the expected shape (decision 7)"
+)
+_CP_VALUE_BATCH_SHAPE = (
+    "CP: a value whose leading dims do not broadcast with the batch shape raises a raw JAX "
+    "TypeError instead of a ValueError naming the expected shape (decision 7)"
+)
+_OUT_OF_SUPPORT_JIT = (
+    "no 'Out-of-support values' UserWarning under jit for a closed-over constant value "
+    "(API.md: 'also under jit', as NumPyro's own distributions; upstream "
+    "test_distribution_constraints)"
+)
+_BAD_PARAMETERS_JIT = (
+    "invalid closed-over constant parameters are not checked inside jit (decision 5: they "
+    "stay concrete, as in NumPyro's validate_args under ensure_compile_time_eval)"
+)
+_FLOAT_K = "a whole-number float k (2.0) is rejected (decision 2: accepted, as Binomial)"
+_EKB_NO_K_MAX = "EKB has no k_max keyword (decision 3)"
+_EKB_PYTREE = (
+    "EKB: the _k_max aux field depends on whether k is concrete (a power of two from a "
+    "concrete k, n from a traced one) and the lazy probs sits in pytree_data_fields, so the "
+    "treedef changes (decisions 3 and 4)"
+)
+_LCN_PYTREE = (
+    "LCN: the lazy scale / scale_tril sit in pytree_data_fields, so the treedef changes once "
+    "they are computed (decision 4)"
+)
+_CP_PYTREE = (
+    "CP: the k_max aux field is derived from a concrete k (None for a traced one), so the "
+    "treedefs for concrete and traced k differ (decision 3: aux holds what the user passed)"
+)
+_LCN_VMAP_OVER = (
+    "LCN: vmap_over gives axis 1 to cached fields of lower rank (_log_normalizer), so "
+    "out_axes=vmap_over(d, name=1) fails (decision 4)"
+)
+_EKB_PROMOTE = (
+    "EKB: logits declare an event_dim-0 constraint, so promote_batch_shape takes the event "
+    "axis for a batch axis (decision 1)"
+)
+_CP_PROMOTE = (
+    "CP: rate declares an event_dim-0 constraint, so promote_batch_shape takes the event axis "
+    "for a batch axis (decision 1)"
+)
+
+KNOWN_FAILURES: dict[tuple[str, str], str] = {
+    ("test_args_attributes", EKB): _EKB_ARG_CONSTRAINTS,
+    ("test_args_attributes", CP): _CP_ARG_CONSTRAINTS,
+    ("test_args_attributes", "lcn-cov"): _LCN_COVARIANCE_ARG,
+    ("test_args_attributes", "lcn-batched-A-cov"): _LCN_COVARIANCE_ARG,
+    ("test_get_args", EKB): _EKB_K_NOT_AN_ARG,
+    ("test_get_args", "lcn-cov"): _LCN_COVARIANCE_ARG,
+    ("test_get_args", "lcn-batched-A-cov"): _LCN_COVARIANCE_ARG,
+    ("test_wrong_value_shape", EKB): _VALUE_SHAPE,
+    ("test_wrong_value_shape", LCN): _VALUE_SHAPE,
+    ("test_wrong_value_shape", "cp-batched"): _CP_VALUE_BATCH_SHAPE,
+    ("test_wrong_value_shape", "cp-per-batch-k"): _CP_VALUE_BATCH_SHAPE,
+    ("test_wrong_value_shape", "cp-k-broadcast"): _CP_VALUE_BATCH_SHAPE,
+    ("test_wrong_value_shape", "cp-float64"): _CP_VALUE_BATCH_SHAPE,
+    ("test_out_of_support", EKB): _EKB_VALIDATION_RAISES,
+    ("test_out_of_support", LCN): _LCN_VALIDATION_RAISES,
+    ("test_out_of_support_jit", EKB): _OUT_OF_SUPPORT_JIT,
+    ("test_out_of_support_jit", LCN): _OUT_OF_SUPPORT_JIT,
+    ("test_out_of_support_jit", CP): _OUT_OF_SUPPORT_JIT,
+    ("test_whole_number_float_k", EKB): _FLOAT_K,
+    ("test_whole_number_float_k", CP): _FLOAT_K,
+    ("test_k_max", EKB): _EKB_NO_K_MAX,
+    ("test_flatten_unflatten", EKB): _EKB_PYTREE,
+    ("test_flatten_unflatten", LCN): _LCN_PYTREE,
+    ("test_flatten_unflatten", CP): _CP_PYTREE,
+    ("test_consistent_pytree", EKB): _EKB_PYTREE,
+    ("test_consistent_pytree", LCN): _LCN_PYTREE,
+    ("test_vmap_dist", "ekb-unbatched"): _EKB_PYTREE,
+    ("test_vmap_dist", "lcn-A"): _LCN_VMAP_OVER,
+    ("test_vmap_dist", "lcn-float64"): _LCN_VMAP_OVER,
+    ("test_vmap_dist", CP): _CP_PYTREE,
+    ("test_promote_batch_shape", EKB): _EKB_PROMOTE,
+    ("test_promote_batch_shape", CP): _CP_PROMOTE,
+}
+# Every invalid value (not type or shape) under jit.
+for _bad in BAD_PARAMETERS:
+    if not _bad.always:
+        KNOWN_FAILURES[("test_bad_parameters_jit", _bad.id)] = _BAD_PARAMETERS_JIT
 
 
 def _known(test_name: str, key: str) -> str | None:
@@ -216,7 +308,7 @@ def call_every_method(d, value=None):
 
 
 @pytest.mark.parametrize("case", params_for("test_dist_shape"))
-@pytest.mark.parametrize("prepend_shape", [(), (2, 3)])
+@pytest.mark.parametrize("prepend_shape", [(), (2,)])
 def test_dist_shape(case, prepend_shape):
     d = build(case)
     assert d.batch_shape == case.batch_shape
@@ -308,7 +400,8 @@ def test_wrong_value_shape(case):
     with pytest.raises(ValueError, match="shape"):
         jax.jit(d.log_prob)(bad_event)
     if case.batch_shape:
-        bad_batch = np.zeros((case.batch_shape[0] + 1,) + case.event_shape, case.dtype)
+        bad_batch_shape = (case.batch_shape[0] + 1,) + case.batch_shape[1:]
+        bad_batch = np.zeros(bad_batch_shape + case.event_shape, case.dtype)
         with pytest.raises(ValueError, match="shape"):
             d.log_prob(bad_batch)
 
@@ -336,7 +429,7 @@ def test_has_rsample(case):
     # counts `k` (and LCN's exact constraint A, k) are parameters without a pathwise one.
 
 
-@pytest.mark.parametrize("case", params_for("test_sample_gradient"))
+@pytest.mark.parametrize("case", params_for("test_sample_gradient", CORE_CASES))
 def test_sample_gradient(case):
     """Gradient of a weighted sum of one sample w.r.t. each reparametrised parameter: right
     shape, finite, and equal to the straight-through estimator's (the gradient of the same
@@ -445,7 +538,9 @@ def test_log_prob_gradient(case):
 
 
 @pytest.mark.parametrize("case", params_for("test_jit_log_likelihood"))
-@pytest.mark.parametrize("validate_args", [False, True])
+# Validation on only: the checks must be skipped for tracers (decision 5); with it off the
+# computation is the same (one compilation per case is the cost of this test).
+@pytest.mark.parametrize("validate_args", [True])
 def test_jit_log_likelihood(case, validate_args):
     """Upstream's test: ``jit`` over every constructor array argument (``k`` included, so a
     traced count), with validation off and on (on: the checks are skipped for tracers, as
@@ -519,8 +614,10 @@ def test_mean_var(case):
 
 @pytest.mark.parametrize("case", params_for("test_entropy_samples"))
 def test_entropy_samples(case):
-    """Upstream's test: the entropy within 5 standard errors of ``-mean log_prob`` over 1000
-    samples, or all equal where ``log_prob`` is constant."""
+    """Upstream's test: the entropy within 5 standard errors of ``-mean log_prob`` over the
+    samples, or equal to it where ``log_prob`` is constant. Decided per batch element (upstream
+    decides for the whole batch at once, which a batch mixing a deterministic element, k = 0
+    or k = n, with random ones cannot pass)."""
     d = build(case)
     actual = d.entropy()
     assert actual.shape == case.batch_shape
@@ -530,10 +627,8 @@ def test_entropy_samples(case):
     std = neg_log_probs.std(axis=0)
     safe_std = jnp.where(std == 0.0, jnp.finfo(actual.dtype).tiny, std)
     z = (actual - mean) / (safe_std / jnp.sqrt(neg_log_probs.shape[0] - 1))
-    assert bool((jnp.abs(z) < 5).all()) or bool(jnp.allclose(actual, neg_log_probs, atol=1e-5)), (
-        actual,
-        mean,
-    )
+    constant = jnp.all(jnp.abs(neg_log_probs - actual) <= 1e-5, axis=0)
+    assert bool(jnp.all((jnp.abs(z) < 5) | constant)), (actual, mean)
 
 
 # --- constraints ------------------------------------------------------------------------------
