@@ -104,7 +104,6 @@ def _tril(n, dtype="float32"):
 EKB_CASES = [
     # k = 1 < n / 2: a concrete k's power-of-two table bound (2) differs from n (4).
     Case(EKB, "ekb-unbatched", {"logits": _f((4,)), "k": 1}, (), (4,)),
-    Case(EKB, "ekb-batched", {"logits": _f((3, 4)), "k": 2}, (3,), (4,)),
     # k = 0 and k = n inside one batch, beside an interior k.
     Case(
         EKB,
@@ -135,7 +134,6 @@ EKB_CASES = [
 
 CP_CASES = [
     Case(CP, "cp-unbatched", {"rate": _f((4,), low=0.5, high=2.0), "k": 3}, (), (4,)),
-    Case(CP, "cp-batched", {"rate": _f((3, 4), low=0.5, high=2.0), "k": 5}, (3,), (4,)),
     Case(
         CP,
         "cp-per-batch-k",
@@ -151,7 +149,7 @@ CP_CASES = [
         (4,),
     ),
     Case(CP, "cp-k0", {"rate": _f((4,), low=0.5, high=2.0), "k": 0}, (), (4,)),
-    Case(CP, "cp-kn", {"rate": _f((4,), low=0.5, high=2.0), "k": 4}, (), (4,)),
+    # (k = n is no boundary for CP: k may exceed n.)
     Case(
         CP,
         "cp-float64",
@@ -171,13 +169,6 @@ LCN_CASES = [
         "lcn-diag",
         {"loc": _f((4,)), "scale": _f((4,), low=0.5, high=1.5)},
         (),
-        (4,),
-    ),
-    Case(
-        LCN,
-        "lcn-batched-diag",
-        {"loc": _f((3, 4)), "scale": _f((4,), low=0.5, high=1.5)},
-        (3,),
         (4,),
     ),
     Case(LCN, "lcn-cov", {"loc": _f((4,)), "covariance_matrix": _spd(4)}, (), (4,)),

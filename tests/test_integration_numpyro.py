@@ -193,7 +193,7 @@ def test_lax_scan_carry(name):
     # k = 1, not 2: a concrete k's table bound (a power of two) then differs from n = 4.
     count = 1
     value = make(params, count).sample(key(0))
-    steps = jnp.asarray(_rng.uniform(0.1, 0.3, size=(T, N)).astype(np.float32))
+    steps = jnp.asarray(np.random.default_rng(4).uniform(0.1, 0.3, size=(T, N)), jnp.float32)
 
     def body(d, step):
         new = make(getattr(d, field) + step, d.k)
