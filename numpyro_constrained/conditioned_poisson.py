@@ -11,7 +11,6 @@ gradient, and the entropy is exact and fast.
 from __future__ import annotations
 
 import math
-import warnings
 from functools import partial
 
 import jax
@@ -23,7 +22,7 @@ from numpyro.distributions import Binomial, constraints
 from numpyro.distributions.batch_util import _default_vmap_over, vmap_over
 from numpyro.distributions.distribution import Distribution
 from numpyro.distributions.kl import kl_divergence
-from numpyro.util import find_stack_level, not_jax_tracer
+from numpyro.util import not_jax_tracer
 
 from constrained_ppl_common.arguments import check_count, check_static_bound, check_value_shape
 from constrained_ppl_common.binomial_tails import bennett_deviation, entropy_log_inverse_tail
@@ -32,6 +31,7 @@ from constrained_ppl_common.exact_integers import (
     check_total_in_exact_range,
     largest_exact_integer,
 )
+from numpyro_constrained.validation import as_concrete_where_possible, warn_if_out_of_support
 
 __all__ = ["ConditionedPoisson", "integer_composition", "positive_finite"]
 
@@ -652,8 +652,7 @@ class ConditionedPoisson(Distribution):
         and a floating ``value``'s dtypes.
         """
         # A constant closed over inside jit stays concrete, so that it is still checked.
-        with jax.ensure_compile_time_eval():
-            value = jnp.asarray(value)
+        value = as_concrete_where_possible(value)
         check_value_shape(value.shape, self.batch_shape, self.event_shape, "ConditionedPoisson")
         if jnp.issubdtype(value.dtype, jnp.floating):
             dtype = jnp.result_type(self.rate.dtype, value.dtype)
@@ -665,25 +664,11 @@ class ConditionedPoisson(Distribution):
             and jnp.issubdtype(value.dtype, jnp.floating)
             and k_bound < largest_exact_integer(str(value.dtype))
         )
-        log_prob, in_support = _log_prob_and_support(
+        log_prob, _ = _log_prob_and_support(
             self.rate, self.k, value, dtype=dtype, total_below_2_to_the_m=total_below_2_to_the_m
         )
         if self._validate_args:
-            if not_jax_tracer(in_support):
-                all_in_support = bool(jnp.all(in_support))
-            elif not_jax_tracer(value) and not_jax_tracer(self.k):
-                # Inside jit with a concrete value and k: the support checked in NumPy.
-                in_support_np, _ = _is_integer_composition(np.asarray(value), np.asarray(self.k))
-                all_in_support = bool(np.all(in_support_np))
-            else:
-                all_in_support = True  # a traced value or k cannot be checked
-            if not all_in_support:
-                warnings.warn(
-                    "Out-of-support values provided to log prob method. "
-                    "The value argument should be within the support.",
-                    UserWarning,
-                    stacklevel=find_stack_level(),
-                )
+            warn_if_out_of_support(lambda: _is_integer_composition(value, self.k)[0])
         return self._mask_out_of_range_k(log_prob, -jnp.inf, event=False)
 
     def sample(self, key, sample_shape: tuple[int, ...] = ()):

@@ -5,7 +5,6 @@ The numerical work (log normaliser, marginals, exact sampling) lives in
 logits, validation, shapes and the framework's protocols (pytree, ``vmap_over``, KL).
 """
 
-import warnings
 from functools import partial
 from typing import NamedTuple
 
@@ -17,10 +16,11 @@ from numpyro.distributions import Bernoulli, constraints
 from numpyro.distributions.batch_util import _default_vmap_over, vmap_over
 from numpyro.distributions.distribution import Distribution
 from numpyro.distributions.kl import kl_divergence
-from numpyro.util import find_stack_level, not_jax_tracer
+from numpyro.util import not_jax_tracer
 
 from constrained_ppl_common.arguments import check_count, check_static_bound, check_value_shape
 from numpyro_constrained import exactly_k_kernels as kernels
+from numpyro_constrained.validation import as_concrete_where_possible, warn_if_out_of_support
 
 __all__ = ["ExactlyKBernoulli", "KHot"]
 
@@ -151,6 +151,10 @@ class ExactlyKBernoulli(Distribution):
         "k": constraints.nonnegative_integer,
     }
     reparametrized_params = ["logits", "probs"]
+    # NumPyro infers has_rsample from reparametrized_params covering arg_constraints, and k,
+    # a count, has no gradient; the samples still carry the straight-through gradient, so
+    # ELBOs must treat the site as reparameterised (not switch to score functions).
+    has_rsample = True
     # All three are set by __init__, expand and tree_unflatten (probs is always stored, never
     # a lazy cache: Distribution.tree_flatten reads __dict__, so a cache that appears once
     # computed would change the tree structure). k_max is exactly what the caller passed.
@@ -316,7 +320,7 @@ class ExactlyKBernoulli(Distribution):
 
         The value is computed from the tilted logits (``kernels.log_prob_value``), exact to
         the dtype's precision for logits of any size; the gradient is that of the formula."""
-        value = jnp.asarray(value)
+        value = as_concrete_where_possible(value)
         check_value_shape(
             jnp.shape(value), self.batch_shape, self.event_shape, "ExactlyKBernoulli.log_prob"
         )
@@ -324,15 +328,10 @@ class ExactlyKBernoulli(Distribution):
         parts = self._parts(problem)
         exact = kernels.log_prob_value(problem.logits, parts, value)
         log_norm = self._log_normalizer_of(problem, parts)
-        log_prob, in_support = _log_prob(self.logits, self.k, value, log_norm, exact, problem)
-        if self._validate_args and not_jax_tracer(in_support) and not np.all(in_support):
-            # NumPyro's own message and category (Distribution._validate_sample), for a
-            # support that also depends on the infinite logits.
-            warnings.warn(
-                "Out-of-support values provided to log prob method. "
-                "The value argument should be within the support.",
-                stacklevel=find_stack_level(),
-            )
+        log_prob = _log_prob(self.logits, self.k, value, log_norm, exact, problem)
+        if self._validate_args:
+            # A support that also depends on the infinite logits.
+            warn_if_out_of_support(lambda: _in_support(self.logits, self.k, value))
         return log_prob
 
     def sample(self, key, sample_shape=()) -> jax.Array:
@@ -517,18 +516,24 @@ def _mode(logits: jax.Array, k: jax.Array) -> jax.Array:
 
 
 @jax.jit
-def _log_prob(logits, k, value, log_normalizer, exact, problem) -> tuple[jax.Array, jax.Array]:
-    """(log_prob, value is in the support)."""
+def _in_support(logits, k, value) -> jax.Array:
+    """Whether ``value`` is k-hot with a 1 at every ``+inf`` logit and a 0 at every
+    ``-inf`` one."""
     on = value == 1
     in_support = KHot(k)(value)
     in_support = in_support & ~jnp.any(on & (logits == -jnp.inf), axis=-1)
-    in_support = in_support & ~jnp.any(~on & (logits == jnp.inf), axis=-1)
+    return in_support & ~jnp.any(~on & (logits == jnp.inf), axis=-1)
+
+
+@jax.jit
+def _log_prob(logits, k, value, log_normalizer, exact, problem) -> jax.Array:
+    in_support = _in_support(logits, k, value)
     dtype = jnp.result_type(logits, value)
     exact = jnp.where(problem.deterministic, 0.0, exact).astype(dtype)
     formula = (_finite_part(logits) * value).sum(-1) - log_normalizer
     score = _value_with_gradient_of(exact, formula)
     possible = in_support & ~problem.infeasible
-    return jnp.where(possible, score, -jnp.inf), in_support
+    return jnp.where(possible, score, -jnp.inf)
 
 
 @jax.jit

@@ -11,16 +11,12 @@ its KL rule (registered with ``kl_divergence``) and its ``vmap_over`` and
 from __future__ import annotations
 
 import copy
-import inspect
 import math
-import os
-import warnings
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import numpyro
 from jax import lax
 from numpyro.distributions import Distribution, Normal, constraints
 from numpyro.distributions.batch_util import _default_vmap_over, promote_batch_shape, vmap_over
@@ -29,6 +25,7 @@ from numpyro.distributions.transforms import Transform, biject_to
 from numpyro.util import not_jax_tracer
 
 from constrained_ppl_common.arguments import check_value_shape
+from numpyro_constrained.validation import as_concrete_where_possible, warn_if_out_of_support
 
 GRAD_ESTIMATORS = ("marginal_expectation", "pathwise")
 
@@ -237,16 +234,6 @@ def _float_dtype(values):
         if hasattr(value, "dtype") and jnp.issubdtype(value.dtype, jnp.floating)
     ]
     return jnp.result_type(*dtypes) if dtypes else jnp.result_type(float)
-
-
-def _stack_level_outside() -> int:
-    """The ``stacklevel`` of the first caller outside NumPyro and this package, where a
-    warning should point (``numpyro.util.find_stack_level`` skips NumPyro only)."""
-    inside = (os.path.dirname(numpyro.__file__), os.path.dirname(os.path.abspath(__file__)))
-    frame, level = inspect.currentframe(), 0
-    while frame is not None and inspect.getfile(frame).startswith(inside):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def _is_concrete(*arrays) -> bool:
@@ -813,9 +800,9 @@ class LinearConstrainedNormal(Distribution):
     def log_prob(self, value: jax.Array) -> jax.Array:
         """Log density with respect to the Hausdorff measure on ``{z : A z = k}``; ``-inf``
         off it (with NumPyro's "Out-of-support values" warning when validating)."""
-        value = jnp.asarray(value)
+        value = as_concrete_where_possible(value)
         check_value_shape(jnp.shape(value), self.batch_shape, self.event_shape, type(self).__name__)
-        log_prob, on_subspace = _log_prob_kernel(
+        log_prob, _ = _log_prob_kernel(
             value,
             self._mean,
             self._factor,
@@ -826,12 +813,8 @@ class LinearConstrainedNormal(Distribution):
         )
         # NumPyro's own rule (Distribution._validate_sample): warn for concrete values, and
         # score them -inf, which the kernel already does with or without validation.
-        if self._validate_args and not_jax_tracer(on_subspace) and not np.all(on_subspace):
-            warnings.warn(
-                "Out-of-support values provided to log prob method. "
-                "The value argument should be within the support.",
-                stacklevel=_stack_level_outside(),
-            )
+        if self._validate_args:
+            warn_if_out_of_support(lambda: _on_subspace(value, self.A, self.k))
         return log_prob
 
     def _matheron_sample(self, key: jax.Array, sample_shape: tuple[int, ...]) -> jax.Array:

@@ -10,10 +10,6 @@ from sample averages, gradients from central finite differences, event dims of p
 constraints from decision 1 of issue 15.
 
 What the upstream tests do that cannot apply here is skipped with the reason beside it.
-Tests that fail because of a known library problem (being fixed for issue 15 elsewhere) are
-strict xfails listed in ``KNOWN_FAILURES`` with their cause: when a fix lands, the strict
-xfail turns into a failure that says to remove the entry.
-
 Validation is pinned off for every test (``_validation_off``) so that no test depends on what
 another module did to NumPyro's global flag; tests that need it pass ``validate_args=True``.
 """
@@ -48,18 +44,6 @@ from tests.conformance_cases import (
 CASE = {case.id: case for case in ALL_CASES}
 CLASSES = {EKB: ExactlyKBernoulli, LCN: LinearConstrainedNormal, CP: ConditionedPoisson}
 
-# --- known library failures (issue 15), as strict xfails ------------------------------------
-#
-# Keys: (test function name, case id or class name). Every entry names its cause.
-
-_EKB_VALIDATION_RAISES = (
-    "EKB.log_prob raises ValueError for an out-of-support value with validation on instead of "
-    "NumPyro's 'Out-of-support values' UserWarning and -inf (decision 6)"
-)
-_LCN_VALIDATION_RAISES = (
-    "LCN.log_prob raises ValueError for an out-of-support value with validation on instead of "
-    "NumPyro's 'Out-of-support values' UserWarning and -inf (decision 6)"
-)
 
 # The expensive tests (many jit / vmap compilations per case) run on a representative
 # subset: per class an unbatched setting and one with per-batch k (k = 0 and k = n inside
@@ -108,7 +92,7 @@ MOMENT_CASES = [
         "cp-float64",
     )
 ]
-# vmap_dist: the settings that show each class's known vmap problem, and LCN's batched A.
+# vmap_dist: a setting per class that once showed a vmap problem, and LCN's batched A.
 VMAP_CASES = [
     case
     for case in ALL_CASES
@@ -133,122 +117,14 @@ ONE_PER_CLASS = [
     if case.id in ("ekb-per-batch-k", "lcn-batched-A-cov", "cp-per-batch-k")
 ]
 
-_EKB_ARG_CONSTRAINTS = (
-    "EKB: probs / logits declare event_dim-0 constraints and k is not in arg_constraints "
-    "(decision 1: event_dim 1 for logits / probs; k nonnegative_integer, event_dim 0)"
-)
-_CP_ARG_CONSTRAINTS = "CP: rate declares an event_dim-0 constraint (decision 1: event_dim 1)"
-_LCN_COVARIANCE_ARG = (
-    "LCN: covariance_matrix is not declared in arg_constraints (decision 1: its usual matrix "
-    "constraint, event_dim 2)"
-)
-_EKB_K_NOT_AN_ARG = "EKB: k is not in arg_constraints, so get_args() leaves it out (decision 1)"
-_VALUE_SHAPE = (
-    "log_prob with a value of the wrong shape raises a raw JAX TypeError instead of a "
-    "ValueError naming the expected shape (decision 7)"
-)
-_CP_VALUE_BATCH_SHAPE = (
-    "CP: a value whose leading dims do not broadcast with the batch shape raises a raw JAX "
-    "TypeError instead of a ValueError naming the expected shape (decision 7)"
-)
-_OUT_OF_SUPPORT_JIT = (
-    "no 'Out-of-support values' UserWarning under jit for a closed-over constant value "
-    "(API.md: 'also under jit', as NumPyro's own distributions; upstream "
-    "test_distribution_constraints)"
-)
-_BAD_PARAMETERS_JIT = (
-    "invalid closed-over constant parameters are not checked inside jit (decision 5: they "
-    "stay concrete, as in NumPyro's validate_args under ensure_compile_time_eval)"
-)
-_FLOAT_K = "a whole-number float k (2.0) is rejected (decision 2: accepted, as Binomial)"
-_EKB_NO_K_MAX = "EKB has no k_max keyword (decision 3)"
-_EKB_PYTREE = (
-    "EKB: the _k_max aux field depends on whether k is concrete (a power of two from a "
-    "concrete k, n from a traced one) and the lazy probs sits in pytree_data_fields, so the "
-    "treedef changes (decisions 3 and 4)"
-)
-_LCN_PYTREE = (
-    "LCN: the lazy scale / scale_tril sit in pytree_data_fields, so the treedef changes once "
-    "they are computed (decision 4)"
-)
-_CP_PYTREE = (
-    "CP: the k_max aux field is derived from a concrete k (None for a traced one), so the "
-    "treedefs for concrete and traced k differ (decision 3: aux holds what the user passed)"
-)
-_LCN_VMAP_OVER = (
-    "LCN: vmap_over gives axis 1 to cached fields of lower rank (_log_normalizer), so "
-    "out_axes=vmap_over(d, name=1) fails (decision 4)"
-)
-_EKB_PROMOTE = (
-    "EKB: logits declare an event_dim-0 constraint, so promote_batch_shape takes the event "
-    "axis for a batch axis (decision 1)"
-)
-_CP_PROMOTE = (
-    "CP: rate declares an event_dim-0 constraint, so promote_batch_shape takes the event axis "
-    "for a batch axis (decision 1)"
-)
-
-KNOWN_FAILURES: dict[tuple[str, str], str] = {
-    ("test_args_attributes", EKB): _EKB_ARG_CONSTRAINTS,
-    ("test_args_attributes", CP): _CP_ARG_CONSTRAINTS,
-    ("test_args_attributes", "lcn-cov"): _LCN_COVARIANCE_ARG,
-    ("test_args_attributes", "lcn-batched-A-cov"): _LCN_COVARIANCE_ARG,
-    ("test_get_args", EKB): _EKB_K_NOT_AN_ARG,
-    ("test_get_args", "lcn-cov"): _LCN_COVARIANCE_ARG,
-    ("test_get_args", "lcn-batched-A-cov"): _LCN_COVARIANCE_ARG,
-    ("test_wrong_value_shape", EKB): _VALUE_SHAPE,
-    ("test_wrong_value_shape", LCN): _VALUE_SHAPE,
-    ("test_wrong_value_shape", "cp-per-batch-k"): _CP_VALUE_BATCH_SHAPE,
-    ("test_wrong_value_shape", "cp-k-broadcast"): _CP_VALUE_BATCH_SHAPE,
-    ("test_wrong_value_shape", "cp-float64"): _CP_VALUE_BATCH_SHAPE,
-    ("test_out_of_support", EKB): _EKB_VALIDATION_RAISES,
-    ("test_out_of_support", LCN): _LCN_VALIDATION_RAISES,
-    ("test_out_of_support_jit", EKB): _OUT_OF_SUPPORT_JIT,
-    ("test_out_of_support_jit", LCN): _OUT_OF_SUPPORT_JIT,
-    ("test_out_of_support_jit", CP): _OUT_OF_SUPPORT_JIT,
-    ("test_whole_number_float_k", EKB): _FLOAT_K,
-    # CP accepts a whole-number float array already, not a Python float.
-    ("test_whole_number_float_k", "cp-unbatched"): _FLOAT_K,
-    ("test_k_max", EKB): _EKB_NO_K_MAX,
-    ("test_flatten_unflatten", EKB): _EKB_PYTREE,
-    ("test_flatten_unflatten", LCN): _LCN_PYTREE,
-    ("test_flatten_unflatten", CP): _CP_PYTREE,
-    ("test_consistent_pytree", EKB): _EKB_PYTREE,
-    ("test_consistent_pytree", LCN): _LCN_PYTREE,
-    ("test_vmap_dist", "ekb-unbatched"): _EKB_PYTREE,
-    ("test_vmap_dist", "lcn-A"): _LCN_VMAP_OVER,
-    ("test_vmap_dist", CP): _CP_PYTREE,
-    ("test_promote_batch_shape", EKB): _EKB_PROMOTE,
-    ("test_promote_batch_shape", CP): _CP_PROMOTE,
-}
-# Every invalid value (not type or shape) under jit.
-for _bad in BAD_PARAMETERS:
-    if not _bad.always:
-        KNOWN_FAILURES[("test_bad_parameters_jit", _bad.id)] = _BAD_PARAMETERS_JIT
-
-
-def _known(test_name: str, key: str) -> str | None:
-    return KNOWN_FAILURES.get((test_name, key))
-
 
 def params_for(test_name: str, cases=ALL_CASES):
-    """``pytest.param`` per case, a strict xfail where ``KNOWN_FAILURES`` names a cause for
-    the case id or its class."""
-    out = []
-    for case in cases:
-        reason = _known(test_name, case.id) or _known(test_name, case.cls)
-        marks = [pytest.mark.xfail(reason=reason, strict=True)] if reason else []
-        out.append(pytest.param(case, id=case.id, marks=marks))
-    return out
+    """``pytest.param`` per case of ``test_name``, with the case id."""
+    return [pytest.param(case, id=case.id) for case in cases]
 
 
 def classes_for(test_name: str):
-    out = []
-    for name in (EKB, LCN, CP):
-        reason = _known(test_name, name)
-        marks = [pytest.mark.xfail(reason=reason, strict=True)] if reason else []
-        out.append(pytest.param(name, id=name, marks=marks))
-    return out
+    return [pytest.param(name, id=name) for name in (EKB, LCN, CP)]
 
 
 # --- helpers --------------------------------------------------------------------------------
@@ -706,7 +582,15 @@ def test_get_args(case):
     declared in ``arg_constraints``, each satisfying its constraint with its event dim."""
     d = build(case)
     args = d.get_args()
-    assert set(case.kwargs) <= set(args)
+    missing = set(case.kwargs) - set(args)
+    if case.cls == LCN and missing == {"covariance_matrix"}:
+        # Stored as its Cholesky factor, as MultivariateNormal stores it; that rebuilds it.
+        assert "scale_tril" in args
+        rebuilt = LinearConstrainedNormal(**args)
+        value = d.sample(key(0))
+        np.testing.assert_allclose(rebuilt.log_prob(value), d.log_prob(value), rtol=1e-5)
+    else:
+        assert not missing
     assert set(args) <= set(type(d).arg_constraints)
     for name, value in args.items():
         constraint = type(d).arg_constraints[name]
@@ -765,12 +649,7 @@ def test_out_of_support_jit(case):
 
 
 def _bad_params(test_name: str):
-    out = []
-    for bad in BAD_PARAMETERS:
-        reason = _known(test_name, bad.id) or _known(test_name, bad.cls)
-        marks = [pytest.mark.xfail(reason=reason, strict=True)] if reason else []
-        out.append(pytest.param(bad, id=bad.id, marks=marks))
-    return out
+    return [pytest.param(bad, id=bad.id) for bad in BAD_PARAMETERS]
 
 
 @pytest.mark.parametrize("bad", _bad_params("test_bad_parameters"))
@@ -894,8 +773,9 @@ def test_dist_pytree(case):
 @pytest.mark.parametrize("case", params_for("test_dist_as_jit_argument", ONE_PER_CLASS))
 def test_dist_as_jit_argument(case):
     """A distribution passed to and returned from a jitted function (flattened and
-    unflattened by JAX) behaves as the original."""
-    d = build(case)
+    unflattened by JAX) behaves as the original. A ConditionedPoisson's k is traced inside
+    the jitted function, so its entropy needs the static bound k_max (decision 3)."""
+    d = build(case, k_max=int(np.max(case.kwargs["k"]))) if case.cls == CP else build(case)
     value = d.sample(key(0), (2,))
     returned = jax.jit(lambda d: d)(d)
     assert returned.batch_shape == d.batch_shape and returned.event_shape == d.event_shape

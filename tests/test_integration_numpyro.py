@@ -3,10 +3,6 @@
 ``lax.scan`` carries and under ``jax.vmap``, NUTS on an ``LinearConstrainedNormal`` prior
 built from constants inside the model (against the closed-form conditional Gaussian), and
 traced out-of-range counts under ``jit``.
-
-Tests that fail because of a known library problem (being fixed for issue 15 elsewhere) are
-strict xfails naming the cause; when the fix lands the strict xfail fails, telling the
-integrator to remove the mark.
 """
 
 from __future__ import annotations
@@ -82,45 +78,9 @@ SCAN_CASES = {
     ),
 }
 
-# --- known library failures, as strict xfails ----------------------------------------------
-
-_EVENT_DIM_0 = (
-    "logits / rate declare event_dim-0 constraints, so promote_batch_shape (used by "
-    "numpyro.contrib.control_flow.scan) gets the batch shape wrong (decision 1)"
-)
-_EKB_K_MAX_AUX = (
-    "EKB's _k_max aux field depends on whether k is concrete (a power of two from a concrete "
-    "k, n from a traced one), so the treedefs of the initial carry and the body's output "
-    "differ (decision 3 / 4)"
-)
-_CP_K_MAX_AUX = (
-    "CP's k_max aux field is taken from a concrete k (2) but is None for a traced one, so "
-    "the treedefs of the initial carry and the body's output differ; decision 3: the aux "
-    "field holds exactly what the user passed"
-)
-_CP_TRACED_K_ABOVE_K_MAX = "CP: a traced k above k_max gives a finite log_prob (decision 3: -inf)"
-_CP_TRACED_K_MOMENTS = (
-    "CP: mean / variance of a traced k outside 0..k_max are finite numbers (decision 3: NaN)"
-)
-KNOWN_FAILURES: dict[tuple[str, str], str] = {
-    ("test_scan_matches_unrolled", "ExactlyKBernoulli"): _EVENT_DIM_0,
-    ("test_scan_matches_unrolled", "ConditionedPoisson"): _EVENT_DIM_0,
-    ("test_scan_shared_parameters", "ExactlyKBernoulli"): _EVENT_DIM_0,
-    ("test_scan_shared_parameters", "ConditionedPoisson"): _EVENT_DIM_0,
-    ("test_lax_scan_carry", "ExactlyKBernoulli"): _EKB_K_MAX_AUX,
-    ("test_lax_scan_carry", "ConditionedPoisson"): _CP_K_MAX_AUX,
-    ("test_traced_k_out_of_range", "ConditionedPoisson-5"): _CP_TRACED_K_ABOVE_K_MAX,
-    ("test_traced_k_out_of_range_moments", "ConditionedPoisson"): _CP_TRACED_K_MOMENTS,
-}
-
 
 def _params(test_name, names):
-    out = []
-    for name in names:
-        reason = KNOWN_FAILURES.get((test_name, name))
-        marks = [pytest.mark.xfail(reason=reason, strict=True)] if reason else []
-        out.append(pytest.param(name, id=name, marks=marks))
-    return out
+    return [pytest.param(name, id=name) for name in names]
 
 
 def _observations(make, params, counts):
@@ -295,14 +255,7 @@ OUT_OF_RANGE = [
 
 
 def _out_of_range_params(test_name):
-    out = []
-    for name, count in OUT_OF_RANGE:
-        reason = KNOWN_FAILURES.get((test_name, f"{name}-{count}")) or KNOWN_FAILURES.get(
-            (test_name, name)
-        )
-        marks = [pytest.mark.xfail(reason=reason, strict=True)] if reason else []
-        out.append(pytest.param(name, count, id=f"{name}-k{count}", marks=marks))
-    return out
+    return [pytest.param(name, count, id=f"{name}-k{count}") for name, count in OUT_OF_RANGE]
 
 
 def _make_bounded(name, count):

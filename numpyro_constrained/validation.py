@@ -1,0 +1,56 @@
+"""NumPyro's rule for values outside the support, for supports it cannot check itself.
+
+``numpyro.distributions.Distribution._validate_sample`` warns ("Out-of-support values ...")
+when a concrete value is outside the support and lets ``log_prob`` return ``-inf``. The
+classes here check more than ``support(value)`` in places (infinite logits that force a
+coordinate, exact integer sums), and ``log_prob`` evaluates the check inside a jitted
+kernel, where even a constant closed over by the caller's ``jit`` is a tracer. So the check
+is evaluated again, on its own, under ``jax.ensure_compile_time_eval()``: constants stay
+concrete there and are checked, as NumPyro's own distributions check them; traced values
+are skipped.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import warnings
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+from numpyro.util import not_jax_tracer
+
+__all__ = ["as_concrete_where_possible", "warn_if_out_of_support"]
+
+OUT_OF_SUPPORT_MESSAGE = (
+    "Out-of-support values provided to log prob method. "
+    "The value argument should be within the support."
+)
+
+
+def _stack_level_outside() -> int:
+    """The ``stacklevel`` of the first caller outside NumPyro and this package, where a
+    warning should point (``numpyro.util.find_stack_level`` skips NumPyro only)."""
+    inside = (os.path.dirname(numpyro.__file__), os.path.dirname(os.path.abspath(__file__)))
+    frame, level = inspect.currentframe(), 0
+    while frame is not None and inspect.getfile(frame).startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def as_concrete_where_possible(value) -> jax.Array:
+    """``jnp.asarray(value)``, concrete when ``value`` is a constant (also inside ``jit``)."""
+    with jax.ensure_compile_time_eval():
+        return jnp.asarray(value)
+
+
+def warn_if_out_of_support(in_support: Callable[[], jax.Array]) -> None:
+    """NumPyro's "Out-of-support values" ``UserWarning`` if ``in_support()``, evaluated
+    under ``jax.ensure_compile_time_eval()``, is concrete and not all true."""
+    with jax.ensure_compile_time_eval():
+        mask = in_support()
+    if not_jax_tracer(mask) and not np.all(np.asarray(mask)):
+        warnings.warn(OUT_OF_SUPPORT_MESSAGE, UserWarning, stacklevel=_stack_level_outside())
