@@ -45,9 +45,10 @@ CASE = {case.id: case for case in ALL_CASES}
 CLASSES = {EKB: ExactlyKBernoulli, LCN: LinearConstrainedNormal, CP: ConditionedPoisson}
 
 
-# The expensive tests (many jit / vmap compilations per case) run on a representative
-# subset: per class an unbatched setting and one with per-batch k (k = 0 and k = n inside
-# a batch) or an explicit multi-row A / full covariance, and the float64 setting.
+# The expensive tests (many jit / vmap compilations per case; test_dist_shape covers every
+# setting) run on a representative subset: per class an unbatched setting and one with
+# per-batch k (k = 0 and k = n inside a batch) or an explicit multi-row A / full covariance,
+# and the float64 setting.
 CORE_IDS = (
     "ekb-unbatched",
     "ekb-per-batch-k",
@@ -257,7 +258,7 @@ def test_infer_shapes(case):
     assert tuple(event_shape) == case.event_shape
 
 
-@pytest.mark.parametrize("case", params_for("test_independent_shape"))
+@pytest.mark.parametrize("case", params_for("test_independent_shape", CORE_CASES))
 def test_independent_shape(case):
     d = build(case)
     shape = case.batch_shape + case.event_shape
@@ -601,7 +602,7 @@ def test_get_args(case):
         assert bool(jnp.all(ok)), name
 
 
-@pytest.mark.parametrize("case", params_for("test_support"))
+@pytest.mark.parametrize("case", params_for("test_support", CORE_CASES))
 @pytest.mark.parametrize("prepend_shape", [(2,)])
 def test_support(case, prepend_shape):
     d = build(case)
@@ -616,7 +617,7 @@ def test_support(case, prepend_shape):
     assert bool(jnp.all(jnp.isfinite(d.log_prob(samples))))
 
 
-@pytest.mark.parametrize("case", params_for("test_out_of_support"))
+@pytest.mark.parametrize("case", params_for("test_out_of_support", CORE_CASES))
 def test_out_of_support(case):
     """Decision 6: validation on, NumPyro's own "Out-of-support values" UserWarning and
     -inf; validation off, -inf and no warning."""
