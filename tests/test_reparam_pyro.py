@@ -96,3 +96,38 @@ def test_nuts_with_reparam_matches_exact_posterior(case):
 
 def test_nuts_without_reparam_loc_case_matches():
     check_against_exact(run_nuts(make_model(*LOC_CASE)), LOC_CASE)
+
+
+def test_nuts_without_reparam_latent_k_raises_naming_the_reparam():
+    # HMC freezes biject_to(support) at the first trace; before the fix the frozen transform
+    # kept z on the initial subspace, every move of t scored -inf and the chain stuck
+    # (t's standard deviation ~1e-8): a silent wrong posterior.
+    pyro.set_rng_seed(0)
+    mcmc = MCMC(NUTS(make_model(*K_CASE)), warmup_steps=20, num_samples=20, disable_progbar=True)
+    with pytest.raises(ValueError, match="LinearConstrainedNormalReparam"):
+        mcmc.run()
+
+
+@pytest.mark.parametrize("validate", [True, False])
+def test_stale_transform_value_raises_naming_the_reparam(validate):
+    A_ = torch.ones(1, 3, dtype=F64)
+    scale = torch.ones(3, dtype=F64)
+    old = LinearConstrainedNormal(
+        torch.zeros(3, dtype=F64), scale, A=A_, k=torch.ones(1, dtype=F64)
+    )
+    transform = torch.distributions.biject_to(old.support)
+    z = transform(torch.tensor([0.3, -0.2], dtype=F64))
+    with pyro.validation_enabled(validate):
+        moved = LinearConstrainedNormal(
+            torch.zeros(3, dtype=F64), scale, A=A_, k=torch.full((1,), 2.0, dtype=F64)
+        )
+        with pytest.raises(ValueError, match="LinearConstrainedNormalReparam"):
+            moved.log_prob(z)
+        # same subspace from new tensors: scored as usual
+        same = LinearConstrainedNormal(
+            torch.zeros(3, dtype=F64), scale, A=A_.clone(), k=torch.ones(1, dtype=F64)
+        )
+        assert torch.allclose(same.log_prob(z), old.log_prob(z))
+        # an untagged value off the subspace keeps the usual behaviour (-inf when not validating)
+        if not validate:
+            assert moved.log_prob(z.detach().clone()) == -float("inf")
