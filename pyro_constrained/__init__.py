@@ -12,7 +12,8 @@ from pyro_constrained.reparam import LinearConstrainedNormalReparam
 
 __all__ = [
     "ConditionedPoisson",
-    "ExactlyKBernoulli", "LinearConstrainedNormal",
+    "ExactlyKBernoulli",
+    "LinearConstrainedNormal",
     "LinearConstrainedNormalReparam",
     "losses",
 ]
