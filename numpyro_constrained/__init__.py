@@ -8,6 +8,13 @@ from numpyro_constrained import losses
 from numpyro_constrained.conditioned_poisson import ConditionedPoisson
 from numpyro_constrained.exactly_k_bernoulli import ExactlyKBernoulli
 from numpyro_constrained.linear_constrained_normal import LinearConstrainedNormal
+from numpyro_constrained.reparam import LinearConstrainedNormalReparam
 
-__all__ = ["ConditionedPoisson", "ExactlyKBernoulli", "LinearConstrainedNormal", "losses"]
+__all__ = [
+    "ConditionedPoisson",
+    "ExactlyKBernoulli",
+    "LinearConstrainedNormal",
+    "LinearConstrainedNormalReparam",
+    "losses",
+]
 __version__ = "0.1.0"

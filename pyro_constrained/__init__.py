@@ -8,6 +8,13 @@ from pyro_constrained import losses
 from pyro_constrained.conditioned_poisson import ConditionedPoisson
 from pyro_constrained.exactly_k_bernoulli import ExactlyKBernoulli
 from pyro_constrained.linear_constrained_normal import LinearConstrainedNormal
+from pyro_constrained.reparam import LinearConstrainedNormalReparam
 
-__all__ = ["ConditionedPoisson", "ExactlyKBernoulli", "LinearConstrainedNormal", "losses"]
+__all__ = [
+    "ConditionedPoisson",
+    "ExactlyKBernoulli",
+    "LinearConstrainedNormal",
+    "LinearConstrainedNormalReparam",
+    "losses",
+]
 __version__ = "0.1.0"

@@ -111,6 +111,23 @@ def _on_subspace(value: torch.Tensor, A: torch.Tensor, k: torch.Tensor) -> torch
     return (residual.abs() <= tolerance * bound).all(-1)
 
 
+def _check_not_stale(value, A: torch.Tensor, k: torch.Tensor) -> None:
+    """Raise if ``value`` came from an :class:`AffineSubspaceTransform` of another subspace
+    and is off this one (HMC/NUTS and AutoGuides freeze the transform of a site at the first
+    trace, so a site whose ``A`` or ``k`` depends on a latent would otherwise score -inf)."""
+    origin = getattr(value, "_lcn_subspace", None)
+    if origin is None or (origin[0] is A and origin[1] is k):
+        return
+    if not bool(_on_subspace(value.detach(), A.detach(), k.detach()).all()):
+        raise ValueError(
+            "LinearConstrainedNormal: the value was mapped onto the subspace A z = k of an "
+            "earlier trace, and A or k have changed since (they depend on another latent "
+            "variable). HMC/NUTS and AutoGuides fix the support of a site at the first trace; "
+            "reparameterise the site with pyro.poutine.reparam(model, config={name: "
+            "pyro_constrained.LinearConstrainedNormalReparam()})."
+        )
+
+
 class AffineSubspace(constraints.Constraint):
     """The affine subspace ``{z in R^n : A z = k}`` with ``A`` of shape (..., a, n), rank a.
 
@@ -184,7 +201,12 @@ class AffineSubspaceTransform(Transform):
         )
 
     def _call(self, u: torch.Tensor) -> torch.Tensor:
-        return self.offset + _rows_times(self.basis, u)
+        z = self.offset + _rows_times(self.basis, u)
+        # Remember the subspace this value was mapped onto, so that a LinearConstrainedNormal
+        # whose subspace has since moved (HMC/NUTS and AutoGuides freeze this transform at
+        # the first trace) can name the fix instead of silently returning -inf.
+        z._lcn_subspace = (self.A, self.k)
+        return z
 
     def _inverse(self, z: torch.Tensor) -> torch.Tensor:
         return _combine_rows(z - self.offset, self.basis)
@@ -590,7 +612,13 @@ class LinearConstrainedNormal(TorchDistribution):
         return solved.squeeze(-1).square().sum(-1)
 
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
-        """Log density with respect to the Hausdorff measure on ``{z : A z = k}``."""
+        """Log density with respect to the Hausdorff measure on ``{z : A z = k}``.
+
+        Raises ValueError (validation on or off) for a value that an
+        :class:`AffineSubspaceTransform` built for another ``(A, k)`` mapped off this
+        subspace: the symptom of a transform frozen while ``A`` or ``k`` depend on a latent.
+        """
+        _check_not_stale(value, self.A, self.k)
         value = torch.as_tensor(value, device=self.loc.device)
         check_value_shape(value.shape, self.batch_shape, self.event_shape, type(self).__name__)
         dtype = self.loc.dtype

@@ -1,0 +1,118 @@
+"""LinearConstrainedNormalReparam (NumPyro): law of the reparameterised site, and NUTS against
+the closed-form posterior when loc or k depends on a latent."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import pytest
+from numpyro.diagnostics import effective_sample_size
+from numpyro.handlers import reparam, seed, trace
+from numpyro.infer import MCMC, NUTS, Predictive
+
+from numpyro_constrained import LinearConstrainedNormal, LinearConstrainedNormalReparam
+from tests._reparam_oracle import K_CASE, LOC_CASE, MU0, SIGMA, A, S, Y, exact_posterior
+
+
+def test_reparam_sample_has_lcn_law():
+    rng = np.random.default_rng(1)
+    loc = rng.normal(size=5)
+    tril = np.tril(rng.normal(size=(5, 5))) + 3 * np.eye(5)
+    A_ = rng.normal(size=(2, 5))
+    k = rng.normal(size=2)
+    d = LinearConstrainedNormal(jnp.array(loc), scale_tril=jnp.array(tril), A=A_, k=k)
+
+    def model():
+        with numpyro.plate("draws", 40000):
+            numpyro.sample("z", d)
+
+    rep = reparam(model, config={"z": LinearConstrainedNormalReparam()})
+    tr = trace(seed(rep, 0)).get_trace()
+    assert tr["z_decentered"]["value"].shape == (40000, 3)
+    z = np.asarray(tr["z"]["value"])
+    np.testing.assert_allclose(z @ A_.T, np.broadcast_to(k, (40000, 2)), atol=1e-9)
+    # Monte Carlo error of 40000 draws: ~0.5% of the variances; 5 times that
+    cov_exact = np.asarray(d.covariance_matrix)
+    scale = cov_exact.diagonal().max()
+    np.testing.assert_allclose(z.mean(0), np.asarray(d.mean), atol=0.03 * np.sqrt(scale))
+    np.testing.assert_allclose(np.cov(z.T), cov_exact, atol=0.03 * scale)
+
+
+def test_observed_site_untouched():
+    d = LinearConstrainedNormal(jnp.zeros(3), jnp.ones(3), A=jnp.ones((1, 3)), k=jnp.ones(1))
+    value = jnp.array([1.0, 0.0, 0.0])
+
+    def model():
+        numpyro.sample("z", d, obs=value)
+
+    tr = trace(seed(reparam(model, config={"z": LinearConstrainedNormalReparam()}), 0)).get_trace()
+    assert "z_decentered" not in tr
+    assert tr["z"]["is_observed"]
+    np.testing.assert_array_equal(tr["z"]["value"], value)
+
+
+def make_model(v, k0, w):
+    def model():
+        t = numpyro.sample("t", dist.Normal(0.0, 1.0))
+        loc = jnp.asarray(MU0) + t * jnp.asarray(v)
+        k = jnp.asarray(k0) + t * jnp.asarray(w)
+        z = numpyro.sample("z", LinearConstrainedNormal(loc, jnp.asarray(S), A=jnp.asarray(A), k=k))
+        numpyro.sample("y", dist.Normal(z, SIGMA).to_event(1), obs=jnp.asarray(Y))
+
+    return model
+
+
+def run_nuts(model, seed=0):
+    mcmc = MCMC(NUTS(model), num_warmup=300, num_samples=600, progress_bar=False)
+    mcmc.run(jax.random.PRNGKey(seed))
+    return mcmc
+
+
+def draws_of(samples):
+    return np.concatenate(
+        [np.reshape(samples["t"], (-1, 1)), np.reshape(samples["z"], (-1, 3))], -1
+    )
+
+
+def check_against_exact(draws, case):
+    mean, cov = exact_posterior(MU0, case[0], S, A, case[1], case[2], SIGMA, Y)
+    ess = effective_sample_size(draws[None])
+    se = np.sqrt(np.diag(cov)) / np.sqrt(np.maximum(ess, 1.0))
+    err = np.abs(draws.mean(0) - mean)
+    assert (err < 5 * se + 1e-8).all(), (err, se, ess)
+
+
+@pytest.mark.parametrize("case", [LOC_CASE, K_CASE], ids=["loc", "k"])
+def test_nuts_with_reparam_matches_exact_posterior(case):
+    model = reparam(make_model(*case), config={"z": LinearConstrainedNormalReparam()})
+    mcmc = run_nuts(model)
+    # MCMC returns the latent sites only: z is recomputed from z_decentered
+    samples = Predictive(model, mcmc.get_samples(), return_sites=["t", "z"])(jax.random.PRNGKey(1))
+    check_against_exact(draws_of(samples), case)
+
+
+def test_nuts_without_reparam_loc_case_matches():
+    check_against_exact(draws_of(run_nuts(make_model(*LOC_CASE)).get_samples()), LOC_CASE)
+
+
+def test_nuts_without_reparam_latent_k_known_limitation():
+    """NumPyro recomputes biject_to(fn.support) in every potential-energy call, so the chain
+    over (t, u) is right (t matches), but MCMC.get_samples() maps u back with the transforms
+    frozen at init (numpyro.infer.util._transforms_from_trace flags a dynamic support only
+    for NumPyro's own interval constraints), so z lands on the initial subspace: wrong, and
+    not detectable from this library without patching NumPyro. Documented; use the reparam
+    (or add any numpyro.deterministic site, which makes NumPyro replay the model)."""
+    model = make_model(*K_CASE)
+    d = draws_of(run_nuts(model).get_samples())
+    mean, cov = exact_posterior(MU0, K_CASE[0], S, A, K_CASE[1], K_CASE[2], SIGMA, Y)
+    ess = effective_sample_size(d[None, :, :1])
+    assert abs(d[:, 0].mean() - mean[0]) < 5 * np.sqrt(cov[0, 0] / ess[0])
+    residual = d[:, 1:].sum(-1) - K_CASE[2][0] * d[:, 0]  # A z - k(t)
+    assert np.abs(residual).max() > 1.0  # z is off its subspace: the known limitation
+
+    def replayed():
+        model()
+        numpyro.deterministic("replay", jnp.zeros(()))
+
+    check_against_exact(draws_of(run_nuts(replayed).get_samples()), K_CASE)
