@@ -29,7 +29,7 @@ torch.set_num_threads(1)
 _SLOW_EXAMPLES = [HealthCheck.too_slow, HealthCheck.data_too_large]
 settings.register_profile(
     "ci",
-    max_examples=25,
+    max_examples=40,
     deadline=None,
     derandomize=True,
     database=None,
