@@ -20,7 +20,11 @@ from numpyro.util import not_jax_tracer
 
 from constrained_ppl_common.arguments import check_count, check_static_bound, check_value_shape
 from numpyro_constrained import exactly_k_kernels as kernels
-from numpyro_constrained.validation import as_concrete_where_possible, warn_if_out_of_support
+from numpyro_constrained.validation import (
+    as_concrete_where_possible,
+    is_concrete,
+    warn_if_out_of_support,
+)
 
 __all__ = ["ExactlyKBernoulli", "KHot"]
 
@@ -80,10 +84,6 @@ def _as_k(k) -> jax.Array:
 def _bound(n: int, k_max: int | None) -> int:
     """The largest valid ``k``: n, or ``k_max`` if that is smaller."""
     return n if k_max is None else min(n, k_max)
-
-
-def _is_concrete(*values) -> bool:
-    return all(not_jax_tracer(value) for value in values)
 
 
 class ExactlyKBernoulli(Distribution):
@@ -215,14 +215,14 @@ class ExactlyKBernoulli(Distribution):
         validation on, in 0..n and feasible with the infinite logits (``ValueError``). A
         traced ``k`` is not checked here; its out-of-range entries give -inf / NaN."""
         n = self.logits.shape[-1]
-        if not _is_concrete(self.k):
+        if not is_concrete(self.k):
             return
         k = np.asarray(self.k)
         if self.k_max is not None and k.size and k.max() > self.k_max:
             raise ValueError(f"k must be at most k_max = {self.k_max}, got {k.max()}")
         if validate and k.size and (k.min() < 0 or k.max() > n):
             raise ValueError(f"k must be in 0..n = 0..{n}, got {np.unique(k).tolist()}")
-        if validate and _is_concrete(self.logits) and k.size:
+        if validate and is_concrete(self.logits) and k.size:
             logits = np.asarray(self.logits)
             forced_on = (logits == np.inf).sum(-1)
             forced_off = (logits == -np.inf).sum(-1)
@@ -246,7 +246,7 @@ class ExactlyKBernoulli(Distribution):
         n = self.event_shape[0]
         bound = _bound(n, self.k_max)
         size = bound
-        if _is_concrete(self.k):
+        if is_concrete(self.k):
             k = np.asarray(self.k)
             largest = int(np.clip(k, 0, bound).max()) if k.size else 0
             size = min(n, 1 << largest.bit_length())
@@ -413,7 +413,7 @@ def _kl_exactly_k_bernoulli(p: ExactlyKBernoulli, q: ExactlyKBernoulli) -> jax.A
     exactly 0 for p = q and exact for logits of any size; the gradient is the formula's."""
     if p.event_shape != q.event_shape:
         raise ValueError(f"KL needs the same n, got {p.event_shape[0]} and {q.event_shape[0]}")
-    if _is_concrete(p.k, q.k) and not np.array_equal(*np.broadcast_arrays(p.k, q.k)):
+    if is_concrete(p.k, q.k) and not np.array_equal(*np.broadcast_arrays(p.k, q.k)):
         raise ValueError("KL between ExactlyKBernoulli needs the same k")
     p_problem, q_problem = p._problem, q._problem
     p_parts, q_parts = p._parts(p_problem), q._parts(q_problem)

@@ -25,7 +25,11 @@ from numpyro.distributions.transforms import Transform, biject_to
 from numpyro.util import not_jax_tracer
 
 from constrained_ppl_common.arguments import check_value_shape
-from numpyro_constrained.validation import as_concrete_where_possible, warn_if_out_of_support
+from numpyro_constrained.validation import (
+    as_concrete_where_possible,
+    is_concrete,
+    warn_if_out_of_support,
+)
 
 GRAD_ESTIMATORS = ("marginal_expectation", "pathwise")
 
@@ -236,13 +240,9 @@ def _float_dtype(values):
     return jnp.result_type(*dtypes) if dtypes else jnp.result_type(float)
 
 
-def _is_concrete(*arrays) -> bool:
-    return all(not_jax_tracer(a) for a in arrays)
-
-
 def _check_finite(name: str, array: jax.Array) -> None:
     # A traced value cannot be inspected; NumPyro's own distributions skip it likewise.
-    if _is_concrete(array) and not np.all(np.isfinite(array)):
+    if is_concrete(array) and not np.all(np.isfinite(array)):
         raise ValueError(f"{name} must be finite, but it contains NaN or +-inf")
 
 
@@ -939,7 +939,7 @@ def _same_constraint(p: LinearConstrainedNormal, q: LinearConstrainedNormal) -> 
             f"and {q.A.shape}"
         )
     # Under jit A and k are tracers and cannot be compared: the caller is responsible.
-    if _is_concrete(p.A, q.A, p.k, q.k):
+    if is_concrete(p.A, q.A, p.k, q.k):
         try:
             same = bool(np.all(np.asarray(p.A) == np.asarray(q.A))) and bool(
                 np.all(np.asarray(p.k) == np.asarray(q.k))

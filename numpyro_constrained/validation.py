@@ -23,7 +23,7 @@ import numpy as np
 import numpyro
 from numpyro.util import not_jax_tracer
 
-__all__ = ["as_concrete_where_possible", "warn_if_out_of_support"]
+__all__ = ["as_concrete_where_possible", "is_concrete", "warn_if_out_of_support"]
 
 OUT_OF_SUPPORT_MESSAGE = (
     "Out-of-support values provided to log prob method. "
@@ -39,6 +39,11 @@ def _stack_level_outside() -> int:
     while frame is not None and inspect.getfile(frame).startswith(inside):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def is_concrete(*arrays) -> bool:
+    """Whether none of ``arrays`` is a JAX tracer (their values can be checked)."""
+    return all(not_jax_tracer(array) for array in arrays)
 
 
 def as_concrete_where_possible(value) -> jax.Array:
