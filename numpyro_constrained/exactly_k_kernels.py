@@ -53,6 +53,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from numpyro.util import not_jax_tracer
 
 _TILT_STEPS = 6
 # A step below this leaves the expected count within about 1e-4 of k (measured; Newton
@@ -69,6 +70,18 @@ _TILT_MAX_STEPS = 60
 # k_max while each loop step still makes one fused pass over the output.
 _UNROLL_WIDTH = 2
 _SHIFTS_PER_STEP = 8
+# The FFT path (see "FFT path" in the module docstring): levels whose product tables are at
+# least _FFT_WIDTH wide are computed by FFT when every row's tilted count variance is at
+# least _FFT_MIN_VARIANCE (the same rule as the torch kernels; crossover measured in
+# benchmarks/README.md).
+_FFT_WIDTH = 129
+_FFT_MIN_VARIANCE = 4.0
+# Eager calls pad n with -inf logits (never selected, so nothing changes) to a size bucket
+# and round k_max up to a power of two, so that a loop whose n or k varies compiles once per
+# bucket: sizes up to _SMALLEST_BUCKET share one bucket, powers of two up to
+# _FINE_BUCKETS_FROM, then also 1.5 times a power of two (at most a third of padding).
+_SMALLEST_BUCKET = 16
+_FINE_BUCKETS_FROM = 1024
 
 
 def tilt(logits: jax.Array, k: jax.Array) -> jax.Array:
@@ -232,6 +245,57 @@ def _correlate(outside: jax.Array, right: jax.Array, width: int) -> jax.Array:
     return lax.fori_loop(0, steps, add_shifts, zeros)
 
 
+def _fast_fft_length(size: int) -> int:
+    """The smallest integer >= size whose prime factors are 2, 3 and 5."""
+    while True:
+        rest = size
+        for prime in (2, 3, 5):
+            while rest % prime == 0:
+                rest //= prime
+        if rest == 1:
+            return size
+        size += 1
+
+
+def _fft_dtype(dtype):
+    """FFT arithmetic in float64 whenever x64 is on (float32 tables would get an error of
+    1e-7 times their largest entry), else in float32 (see "FFT path")."""
+    return jnp.promote_types(dtype, jnp.float64) if jax.config.jax_enable_x64 else dtype
+
+
+def _convolve_by_fft(left: jax.Array, right: jax.Array, width: int) -> jax.Array:
+    """``_convolve`` as a circular convolution long enough that nothing wraps around. Its
+    error is about eps times the largest entry of the output, not relative to each entry;
+    negative noise is clamped to zero, and the caller zeroes the structurally impossible
+    entries (``_mask_outside``)."""
+    left = left[..., :width]
+    length = _fast_fft_length(left.shape[-1] + right.shape[-1] - 1)
+    wide = _fft_dtype(left.dtype)
+    spectrum = jnp.fft.rfft(left.astype(wide), length) * jnp.fft.rfft(right.astype(wide), length)
+    out = jnp.fft.irfft(spectrum, length)[..., :width]
+    return jnp.maximum(out, 0.0).astype(left.dtype)
+
+
+def _correlate_by_fft(outside: jax.Array, right: jax.Array, width: int) -> jax.Array:
+    """``_correlate`` by FFT (see ``_convolve_by_fft``)."""
+    w_right = right.shape[-1]
+    outside = outside[..., : width + w_right - 1]
+    length = _fast_fft_length(max(outside.shape[-1], width) + w_right - 1)
+    wide = _fft_dtype(outside.dtype)
+    spectrum = jnp.fft.rfft(outside.astype(wide), length) * jnp.conj(
+        jnp.fft.rfft(right.astype(wide), length)
+    )
+    out = jnp.fft.irfft(spectrum, length)[..., :width]
+    return jnp.maximum(out, 0.0).astype(outside.dtype)
+
+
+def _mask_outside(table: jax.Array, low: jax.Array, high: jax.Array) -> jax.Array:
+    """``table`` (..., width) with the entries outside ``low..high`` (shape ``...``) zero."""
+    index = jnp.arange(table.shape[-1])
+    inside = (index >= low[..., None]) & (index <= high[..., None])
+    return jnp.where(inside, table, 0.0)
+
+
 def _rescale(table: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(table / its largest entry, log of that entry) per node, with entries below
     sqrt(tiny) of the largest set to zero (so products of two entries are never denormal).
@@ -266,10 +330,34 @@ def wide_dtype(dtype):
     return jnp.promote_types(dtype, jnp.float64) if jax.config.jax_enable_x64 else dtype
 
 
-def _upward(tables: jax.Array, k_max: int):
-    """Merge pairs of nodes until one is left. ``tables``: (batch, nodes, width)."""
+class _Level(NamedTuple):
+    """One level of the tree: node j of the level above is the parent of ``left`` node j
+    and ``right`` node j, (batch, nodes, width) each; ``padded``: the last right node is the
+    table of an empty set, added to make the count even. ``low``, ``high``: on levels wide
+    enough for the FFT path, the children's degree bounds (batch, 2 nodes), left and right
+    child of each parent in turn (else None)."""
+
+    left: jax.Array
+    right: jax.Array
+    padded: bool
+    low: jax.Array | None = None
+    high: jax.Array | None = None
+
+
+def _upward(tables: jax.Array, k_max: int, fft: jax.Array | None):
+    """Merge pairs of nodes until one is left. ``tables``: (batch, nodes, width).
+    ``fft``: None if no level is wide enough for the FFT path, else a boolean scalar:
+    whether the levels at least ``_FFT_WIDTH`` wide take it (``lax.cond``; the direct sums
+    otherwise)."""
     levels = []
     log_scale = jnp.zeros(tables.shape[0], wide_dtype(tables.dtype))
+    if fft is not None:
+        # Degree bounds of every node: a leaf can be off unless its flushed off-weight is
+        # zero, and on unless its on-weight is zero; a parent's bounds are the sums of its
+        # children's (not truncated at k_max: the downward pass takes the rest's bounds as
+        # the root's minus a node's).
+        low = (tables[..., 0] == 0).astype(jnp.int32)
+        high = (tables[..., 1] > 0).astype(jnp.int32) if tables.shape[-1] > 1 else low * 0
     while tables.shape[1] > 1:
         batch, nodes, width = tables.shape
         padded = nodes % 2 == 1
@@ -278,22 +366,63 @@ def _upward(tables: jax.Array, k_max: int):
             tables = jnp.concatenate([tables, empty], axis=1)
         pairs = tables.reshape(batch, -1, 2, width)
         left, right = pairs[:, :, 0], pairs[:, :, 1]
-        merged = _convolve(left, right, min(2 * (width - 1), k_max) + 1)
+        out_width = min(2 * (width - 1), k_max) + 1
+        children = ()
+        if fft is not None:
+            if padded:
+                low, high = _pad_last(low, 0, 1), _pad_last(high, 0, 1)
+            children = (low, high)
+            low, high = (t.reshape(batch, -1, 2).sum(-1) for t in children)
+        if fft is not None and out_width >= _FFT_WIDTH:
+
+            def by_fft(left, right, low=low, high=high, out_width=out_width):
+                return _mask_outside(_convolve_by_fft(left, right, out_width), low, high)
+
+            def direct(left, right, out_width=out_width):
+                return _convolve(left, right, out_width)
+
+            merged = lax.cond(fft, by_fft, direct, left, right)
+            levels.append(_Level(left, right, padded, *children))
+        else:
+            merged = _convolve(left, right, out_width)
+            levels.append(_Level(left, right, padded))
         tables, log_factor = _rescale(merged)
         log_scale = log_scale + log_factor.astype(log_scale.dtype).sum(-1)
-        levels.append((left, right, padded))
     return tables[:, 0], levels, log_scale
 
 
-def _downward(root_width: int, levels, k: jax.Array, dtype) -> jax.Array:
-    """Outside tables of the leaves, (batch, n, width of a leaf), up to a factor per leaf."""
+def _downward(root_width: int, levels, k: jax.Array, dtype, fft) -> jax.Array:
+    """Outside tables of the leaves, (batch, n, width of a leaf), up to a factor per leaf.
+    ``fft``: as for ``_upward``."""
     outside = jax.nn.one_hot(k, root_width, dtype=dtype)[:, None, :]
-    for left, right, padded in reversed(levels):
+    total = None
+    for level in reversed(levels):
+        left, right, padded = level.left, level.right, level.padded
         batch, nodes, width = left.shape
         # Both children at once: the left one's sibling is `right` and vice versa.
         siblings = jnp.stack([right, left], axis=2)
         both = jnp.broadcast_to(outside[:, :, None], (batch, nodes, 2, outside.shape[-1]))
-        outside, _ = _rescale(_correlate(both, siblings, width))
+        if level.low is not None:
+            if total is None:  # the root's bounds: the sums over its two children
+                total = (level.low.sum(-1, keepdims=True), level.high.sum(-1, keepdims=True))
+            # outside[a] is proportional to P(rest = k - a): possible only for
+            # low_rest <= k - a <= high_rest, and a child's own entry a only for
+            # low <= a <= high.
+            k_column = k[:, None].astype(level.low.dtype)
+            low = jnp.maximum(level.low, k_column - (total[1] - level.high))
+            high = jnp.minimum(level.high, k_column - (total[0] - level.low))
+            low, high = low.reshape(batch, nodes, 2), high.reshape(batch, nodes, 2)
+
+            def by_fft(both, siblings, low=low, high=high, width=width):
+                return _mask_outside(_correlate_by_fft(both, siblings, width), low, high)
+
+            def direct(both, siblings, width=width):
+                return _correlate(both, siblings, width)
+
+            tables = lax.cond(fft, by_fft, direct, both, siblings)
+        else:
+            tables = _correlate(both, siblings, width)
+        outside, _ = _rescale(tables)
         outside = outside.reshape(batch, 2 * nodes, width)
         if padded:
             outside = outside[:, :-1]
@@ -307,9 +436,22 @@ def _prepare(logits: jax.Array, k: jax.Array, k_max: int):
     flat_logits = logits.reshape(-1, n)
     flat_k = jnp.broadcast_to(jnp.asarray(k), logits.shape[:-1]).reshape(-1).astype(jnp.int32)
     c = tilt(flat_logits, flat_k)
-    weights, leaf_tables = _leaves(flat_logits + c, k_max)
-    root, levels, log_scale = _upward(leaf_tables, k_max)
-    return flat_k, c[:, 0], weights, root, levels, log_scale
+    x = flat_logits + c
+    weights, leaf_tables = _leaves(x, k_max)
+    fft = _use_fft(x, k_max)
+    root, levels, log_scale = _upward(leaf_tables, k_max, fft)
+    return flat_k, c[:, 0], weights, root, levels, log_scale, fft
+
+
+def _use_fft(x: jax.Array, k_max: int) -> jax.Array | None:
+    """None if no level can be ``_FFT_WIDTH`` wide; else whether the wide levels go by FFT:
+    every row's tilted count variance ``sum_i sigmoid(x_i) sigmoid(-x_i)`` is at least
+    ``_FFT_MIN_VARIANCE`` (see "FFT path" in the module docstring)."""
+    if min(k_max, 2 ** (x.shape[-1] - 1).bit_length()) + 1 < _FFT_WIDTH:
+        return None
+    x = lax.stop_gradient(x)
+    variance = (jax.nn.sigmoid(x) * jax.nn.sigmoid(-x)).astype(wide_dtype(x.dtype)).sum(-1)
+    return jnp.all(variance >= _FFT_MIN_VARIANCE)
 
 
 class NormalizerParts(NamedTuple):
@@ -346,13 +488,53 @@ def _zero_parts(logits: jax.Array) -> NormalizerParts:
     return NormalizerParts(zero_tilt, -jnp.maximum(x, 0.0).sum(-1))
 
 
-@partial(jax.jit, static_argnames="k_max")
+def _bucket(size: int) -> int:
+    """The padded size of a bucket of sizes (see ``_SMALLEST_BUCKET``)."""
+    if size <= _SMALLEST_BUCKET:
+        return _SMALLEST_BUCKET
+    power = 1 << (size - 1).bit_length()
+    if size > _FINE_BUCKETS_FROM and size <= 3 * power // 4:
+        return 3 * power // 4
+    return power
+
+
+def _to_bucket(logits, k_max: int):
+    """(logits, k_max, n): for concrete logits, the logits padded with -inf to the bucket of
+    n (variables that are never selected: every quantity of the others is unchanged, and the
+    padded ones get marginal 0 and are cut off again), k_max rounded up to a power of two
+    (a wider truncation changes nothing), and n to cut the outputs back to; traced logits
+    (inside a caller's jit, grad or vmap, which compile once per shape anyway) unchanged,
+    with n = None."""
+    if not not_jax_tracer(logits):
+        return logits, k_max, None
+    logits = jnp.asarray(logits)
+    n = logits.shape[-1]
+    size = _bucket(n)
+    if k_max > 0:
+        k_max = min(1 << (k_max - 1).bit_length(), size)
+    if size > n:
+        logits = jnp.pad(
+            logits, [(0, 0)] * (logits.ndim - 1) + [(0, size - n)], constant_values=-jnp.inf
+        )
+    return logits, k_max, n
+
+
+def _cut(out: jax.Array, n: int | None) -> jax.Array:
+    return out if n is None or out.shape[-1] == n else out[..., :n]
+
+
 def normalizer_parts(logits: jax.Array, k: jax.Array, k_max: int) -> NormalizerParts:
     """The parts of ``log e_k(exp logits)`` (see ``NormalizerParts``), from one upward pass."""
+    logits, k_max, _ = _to_bucket(logits, k_max)
+    return _normalizer_parts(logits, k, k_max)
+
+
+@partial(jax.jit, static_argnames="k_max")
+def _normalizer_parts(logits: jax.Array, k: jax.Array, k_max: int) -> NormalizerParts:
     logits = lax.stop_gradient(logits)
     if k_max == 0:
         return _zero_parts(logits)
-    flat_k, c, _, root, _, log_scale = _prepare(logits, jnp.asarray(k), k_max)
+    flat_k, c, _, root, _, log_scale, _ = _prepare(logits, jnp.asarray(k), k_max)
     return _parts_from(logits, flat_k, c, root, log_scale)
 
 
@@ -420,8 +602,8 @@ def log_constraint_prob_value(logits: jax.Array, k: jax.Array, parts: Normalizer
     return parts.log_reduced + shift - tails
 
 
-def _marginals_from(flat_k, weights, root, levels, with_complements: bool = False):
-    outside = _downward(root.shape[-1], levels, flat_k, weights.dtype)
+def _marginals_from(flat_k, weights, root, levels, fft, with_complements: bool = False):
+    outside = _downward(root.shape[-1], levels, flat_k, weights.dtype, fft)
     on = weights[..., 1] * outside[..., 1]
     off = weights[..., 0] * outside[..., 0]
     total = jnp.maximum(off + on, jnp.finfo(on.dtype).tiny)
@@ -440,43 +622,59 @@ def _log_normalizer_jvp(k_max, primals, tangents):
     logits, k, parts = primals
     d_logits = tangents[0]
     value = _log_normalizer(logits, k, k_max, parts)
-    mu = marginals(logits, k, k_max)
+    mu = _marginals(logits, k, k_max)
     return value, (mu * d_logits).sum(-1)
 
 
-@partial(jax.jit, static_argnames="k_max")
 def log_normalizer(
     logits: jax.Array, k: jax.Array, k_max: int, parts: NormalizerParts | None = None
 ) -> jax.Array:
     """log e_k(exp logits), shape ``batch``; its derivative is ``marginals`` (differentiable
     again, without NaN at ``-inf`` logits). ``parts``: from ``normalizer_parts``, if the
     caller has them already."""
+    logits, k_max, _ = _to_bucket(logits, k_max)
+    return _log_normalizer_jit(logits, k, k_max, parts)
+
+
+@partial(jax.jit, static_argnames="k_max")
+def _log_normalizer_jit(logits, k, k_max: int, parts):
     k = jnp.broadcast_to(jnp.asarray(k), logits.shape[:-1])
     if parts is None:
-        parts = normalizer_parts(logits, k, k_max)
+        parts = _normalizer_parts(logits, k, k_max)
     return _log_normalizer(logits, k, k_max, parts)
 
 
-@partial(jax.jit, static_argnames="k_max")
 def marginals(logits: jax.Array, k: jax.Array, k_max: int) -> jax.Array:
     """mu_i = P(z_i = 1 | sum z = k) = d log e_k(exp logits) / d logits_i, shape
     ``batch + (n,)``; differentiable again."""
-    if k_max == 0:
-        return jnp.zeros_like(logits)
-    flat_k, _, weights, root, levels, _ = _prepare(logits, jnp.asarray(k), k_max)
-    return _marginals_from(flat_k, weights, root, levels).reshape(logits.shape)
+    logits, k_max, n = _to_bucket(logits, k_max)
+    return _cut(_marginals(logits, k, k_max), n)
 
 
 @partial(jax.jit, static_argnames="k_max")
+def _marginals(logits: jax.Array, k: jax.Array, k_max: int) -> jax.Array:
+    if k_max == 0:
+        return jnp.zeros_like(logits)
+    flat_k, _, weights, root, levels, _, fft = _prepare(logits, jnp.asarray(k), k_max)
+    return _marginals_from(flat_k, weights, root, levels, fft).reshape(logits.shape)
+
+
 def marginals_and_complements(
     logits: jax.Array, k: jax.Array, k_max: int
 ) -> tuple[jax.Array, jax.Array]:
     """(``marginals``, ``1 - marginals`` without rounding: from the leaves' off-weights, no
     gradient), so that a marginal near 1 keeps the relative precision of its complement."""
+    logits, k_max, n = _to_bucket(logits, k_max)
+    mu, complement = _marginals_and_complements(logits, k, k_max)
+    return _cut(mu, n), _cut(complement, n)
+
+
+@partial(jax.jit, static_argnames="k_max")
+def _marginals_and_complements(logits, k, k_max: int):
     if k_max == 0:
         return jnp.zeros_like(logits), jnp.ones_like(logits)
-    flat_k, _, weights, root, levels, _ = _prepare(logits, jnp.asarray(k), k_max)
-    mu, complement = _marginals_from(flat_k, weights, root, levels, with_complements=True)
+    flat_k, _, weights, root, levels, _, fft = _prepare(logits, jnp.asarray(k), k_max)
+    mu, complement = _marginals_from(flat_k, weights, root, levels, fft, with_complements=True)
     return mu.reshape(logits.shape), complement.reshape(logits.shape)
 
 
@@ -484,11 +682,12 @@ def _draw(key: jax.Array, root_k: jax.Array, levels, num_samples: int) -> jax.Ar
     """Counts of ones per leaf, (num_samples, batch, n), top-down from root counts (batch,)."""
     counts = jnp.broadcast_to(root_k, (num_samples,) + root_k.shape)[..., None]
     # One uniform per split, drawn at once: a random call per level multiplies compile time.
-    num_splits = sum(left.shape[1] for left, _, _ in levels)
-    dtype = levels[0][0].dtype if levels else jnp.float32
+    num_splits = sum(level.left.shape[1] for level in levels)
+    dtype = levels[0].left.dtype if levels else jnp.float32
     uniforms = jax.random.uniform(key, counts.shape[:-1] + (num_splits,), dtype=dtype)
     used = 0
-    for left, right, padded in reversed(levels):
+    for level in reversed(levels):
+        left, right, padded = level.left, level.right, level.padded
         w_left, w_right = left.shape[-1], right.shape[-1]
         rest = counts[..., None] - jnp.arange(w_left, dtype=counts.dtype)  # right's share
         possible = (rest >= 0) & (rest < w_right)
@@ -505,6 +704,14 @@ def _draw(key: jax.Array, root_k: jax.Array, levels, num_samples: int) -> jax.Ar
         # Rounding can put u * total at the total: never pick a split of weight zero.
         last_possible = w_left - 1 - jnp.argmax(jnp.flip(weight > 0, -1), axis=-1)
         ones_left = jnp.minimum(ones_left, last_possible.astype(counts.dtype))
+        if level.low is not None:
+            # FFT levels: keep the draw among the splits both children can hold (noise
+            # could otherwise, with a probability of the order of the noise, lead to a
+            # parent count whose splits all have weight zero).
+            low, high = (t.reshape(t.shape[0], -1, 2).astype(counts.dtype) for t in level[3:])
+            first = jnp.maximum(low[..., 0], counts - high[..., 1])
+            last = jnp.minimum(high[..., 0], counts - low[..., 1])
+            ones_left = jnp.clip(ones_left, first, last)
         counts = jnp.stack([ones_left, counts - ones_left], axis=-1)
         counts = counts.reshape(counts.shape[:-2] + (-1,))
         if padded:
@@ -520,29 +727,43 @@ def _sample_and_maybe_marginals(key, logits, k, k_max, sample_shape, with_margin
     num_samples = 1
     for size in sample_shape:
         num_samples *= size
-    flat_k, _, weights, root, levels, _ = _prepare(logits, jnp.asarray(k), k_max)
-    detached = [(lax.stop_gradient(a), lax.stop_gradient(b), p) for a, b, p in levels]
+    flat_k, _, weights, root, levels, _, fft = _prepare(logits, jnp.asarray(k), k_max)
+    detached = [
+        level._replace(left=lax.stop_gradient(level.left), right=lax.stop_gradient(level.right))
+        for level in levels
+    ]
     counts = _draw(key, flat_k, detached, num_samples)
     z = counts.astype(logits.dtype).reshape(out_shape)
     mu = None
     if with_marginals:
-        mu = _marginals_from(flat_k, weights, root, levels).reshape(logits.shape)
+        mu = _marginals_from(flat_k, weights, root, levels, fft).reshape(logits.shape)
     return z, mu
 
 
-@partial(jax.jit, static_argnames=("k_max", "sample_shape"))
 def sample(
     key: jax.Array, logits: jax.Array, k: jax.Array, k_max: int, sample_shape: tuple = ()
 ) -> jax.Array:
     """Exact draws, shape ``sample_shape + batch + (n,)``, entries 0.0 / 1.0 summing to k.
     No gradient."""
+    logits, k_max, n = _to_bucket(logits, k_max)
+    return _cut(_sample(key, logits, k, k_max, tuple(sample_shape)), n)
+
+
+@partial(jax.jit, static_argnames=("k_max", "sample_shape"))
+def _sample(key, logits, k, k_max: int, sample_shape: tuple):
     logits = lax.stop_gradient(logits)
     return _sample_and_maybe_marginals(key, logits, k, k_max, sample_shape, False)[0]
 
 
-@partial(jax.jit, static_argnames=("k_max", "sample_shape"))
 def sample_and_marginals(
     key: jax.Array, logits: jax.Array, k: jax.Array, k_max: int, sample_shape: tuple = ()
 ) -> tuple[jax.Array, jax.Array]:
     """(sample(...), marginals(...)) from one upward pass (for the straight-through sample)."""
+    logits, k_max, n = _to_bucket(logits, k_max)
+    z, mu = _sample_and_marginals(key, logits, k, k_max, tuple(sample_shape))
+    return _cut(z, n), _cut(mu, n)
+
+
+@partial(jax.jit, static_argnames=("k_max", "sample_shape"))
+def _sample_and_marginals(key, logits, k, k_max: int, sample_shape: tuple):
     return _sample_and_maybe_marginals(key, logits, k, k_max, sample_shape, True)

@@ -84,6 +84,13 @@ _SHIFT_WIDTH_FLOAT32 = 2
 _FFT_WIDTH_FLOAT64 = 32
 # Tables at most this wide are stored width-major (see _Level), wider ones node-major.
 _NARROW = 16
+# The FFT path (see "FFT path" in the module docstring): levels whose product tables are at
+# least _FFT_WIDTH wide are computed by FFT when every row's tilted count variance is at
+# least _FFT_MIN_VARIANCE (measured crossover of the direct sums and the FFT, per level, on
+# one CPU thread: benchmarks/README.md).
+_FFT_WIDTH = 129
+_FFT_WIDTH_FLOAT32 = 257  # float32 direct sums are one oneDNN convolution, faster
+_FFT_MIN_VARIANCE = 4.0
 # Bytes of output per block of batch rows (see _in_batch_blocks), measured best for the
 # direct sums, and for the sampler's draws (whose temporaries are several times the output).
 _BLOCK_BYTES = 786432
@@ -249,12 +256,14 @@ def _in_batch_blocks(
     return torch.cat(blocks)
 
 
-def _correlate(outside: torch.Tensor, right: torch.Tensor, width: int) -> torch.Tensor:
+def _correlate(
+    outside: torch.Tensor, right: torch.Tensor, width: int, fft: bool = False
+) -> torch.Tensor:
     """out[..., a] = sum_b outside[..., a + b] right[..., b] for a < width (``outside``
     broadcasts against ``right`` in the dimensions before the last)."""
     w_right = right.shape[-1]
     outside = outside[..., : width + w_right - 1]
-    if outside.dtype != torch.float32 and w_right >= _FFT_WIDTH_FLOAT64:
+    if fft or (outside.dtype != torch.float32 and w_right >= _FFT_WIDTH_FLOAT64):
         return _correlate_by_fft(outside, right, width)
     nodes = torch.broadcast_shapes(outside.shape[:-1], right.shape[:-1])
     outside = outside.expand(nodes + outside.shape[-1:])
@@ -289,8 +298,33 @@ def _correlate_by_fft(outside: torch.Tensor, right: torch.Tensor, width: int) ->
     # Python ints: under torch.jit.trace sizes are traced values, and a transform length
     # computed from them is replayed wrongly (the output had the wrong size).
     width, length = int(width), _fast_fft_length(int(width) + int(right.shape[-1]) - 1)
+    dtype = outside.dtype
+    outside, right = outside.to(torch.float64), right.to(torch.float64)
     spectrum = torch.fft.rfft(outside, length) * torch.fft.rfft(right, length).conj()
-    return torch.fft.irfft(spectrum, length)[..., :width].clamp(min=0.0)
+    return torch.fft.irfft(spectrum, length)[..., :width].clamp(min=0.0).to(dtype)
+
+
+def _convolve_by_fft(left: torch.Tensor, right: torch.Tensor, width: int) -> torch.Tensor:
+    """``_convolve`` by FFT in float64 (whatever the tables' dtype: float32 tables would
+    otherwise get an error of 1e-7 times their largest entry), as a circular convolution
+    long enough that nothing wraps around. The error is about 1e-16 times the largest entry
+    of the output, not relative to each entry (see "FFT path" in the module docstring);
+    negative rounding noise is clamped to zero, and the caller zeroes the entries that are
+    structurally impossible (``_mask_outside``)."""
+    left = left[..., :width]
+    width, length = int(width), _fast_fft_length(int(left.shape[-1]) + int(right.shape[-1]) - 1)
+    dtype = left.dtype
+    left, right = left.to(torch.float64), right.to(torch.float64)
+    spectrum = torch.fft.rfft(left, length) * torch.fft.rfft(right, length)
+    return torch.fft.irfft(spectrum, length)[..., :width].clamp(min=0.0).to(dtype)
+
+
+def _mask_outside(table: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """``table`` (nodes-major, (..., nodes, width)) with the entries outside ``low..high``
+    (integer tensors of shape (..., nodes)) set to exactly zero."""
+    index = torch.arange(table.shape[-1], device=table.device)
+    inside = (index >= low[..., None]) & (index <= high[..., None])
+    return torch.where(inside, table, 0.0)
 
 
 def _fast_fft_length(size: int) -> int:
@@ -396,25 +430,40 @@ class _Level(NamedTuple):
     right: torch.Tensor
     padded: bool
     node_major: bool
+    # FFT levels only (else None): the children's degree bounds, (batch, 2 half) int64 each
+    # (left children, then right ones), see ``_degree_bounds``.
+    low: torch.Tensor | None = None
+    high: torch.Tensor | None = None
 
 
-def _merge(left: torch.Tensor, right: torch.Tensor, width: int, node_major: bool):
-    """The rescaled tables of the parents of ``left`` and ``right``, and their factors."""
+def _merge(left: torch.Tensor, right: torch.Tensor, width: int, node_major: bool, bounds=None):
+    """The rescaled tables of the parents of ``left`` and ``right``, and their factors.
+    ``bounds``: the parents' (low, high) degree bounds on FFT levels, else None."""
+    if bounds is not None:
+        return _rescale(_mask_outside(_convolve_by_fft(left, right, width), *bounds), -1)
     if node_major:
         return _rescale(_convolve(left, right, width), -1)
     return _rescale(_shift_and_add(left, right, width, 1), 1)
 
 
 def _outside_of_children(
-    outside: torch.Tensor, left: torch.Tensor, right: torch.Tensor, node_major: bool
+    outside: torch.Tensor,
+    left: torch.Tensor,
+    right: torch.Tensor,
+    node_major: bool,
+    bounds=None,
 ) -> torch.Tensor:
     """The rescaled outside tables of the children (the left ones, then the right ones)
-    from their parents' ``outside`` tables: each is correlated with its sibling's table."""
+    from their parents' ``outside`` tables: each is correlated with its sibling's table.
+    ``bounds``: on FFT levels, the (low, high) range of each child's possible entries."""
     if node_major:
         batch, half, width = left.shape
         siblings = torch.stack([right, left], dim=1)
-        tables = _correlate(outside[:, None], siblings, width)
-        return _rescale(tables.reshape(batch, 2 * half, width), -1)[0]
+        tables = _correlate(outside[:, None], siblings, width, fft=bounds is not None)
+        tables = tables.reshape(batch, 2 * half, width)
+        if bounds is not None:
+            tables = _mask_outside(tables, *bounds)
+        return _rescale(tables, -1)[0]
     batch, width, half = left.shape
     siblings = torch.stack([right, left], dim=2)
     tables = _shift_and_add_correlate(outside[:, :, None], siblings, width, 1)
@@ -427,8 +476,10 @@ def _blocked(table: torch.Tensor, node_major: bool) -> bool:
     return node_major and table.dtype != torch.float32
 
 
-def _upward(tables: torch.Tensor, k_max: int, with_log_scale: bool):
+def _upward(tables: torch.Tensor, k_max: int, with_log_scale: bool, fft: bool = False):
     """Merge pairs of nodes until one is left. ``tables``: the leaves, (batch, 2, n).
+    ``fft``: compute levels at least ``_FFT_WIDTH`` wide by FFT (the caller checked that
+    the tilted count variance allows it).
 
     Returns (root table (batch, width), the levels from the leaves up, the sum of the kept
     log factors (batch,), or None unless ``with_log_scale``: only the normaliser needs it).
@@ -436,6 +487,11 @@ def _upward(tables: torch.Tensor, k_max: int, with_log_scale: bool):
     levels = []
     log_scale = tables.new_zeros(tables.shape[0], dtype=torch.float64)
     node_major = False
+    # Degree bounds of every node (only for the FFT path): a leaf can be off unless its
+    # flushed off-weight is zero, and on unless its on-weight is zero; a parent's bounds are
+    # its children's sums.
+    low = (tables[:, 0] == 0).long() if fft else None
+    high = (tables[:, 1] > 0).long() if fft else None
     while tables.shape[2 - node_major] > 1:
         width = tables.shape[1 + node_major]
         if not node_major and width > _NARROW:
@@ -449,8 +505,21 @@ def _upward(tables: torch.Tensor, k_max: int, with_log_scale: bool):
             tables = torch.cat([tables, empty], dim=node_dim)
         left, right = tables.chunk(2, dim=node_dim)
         out_width = min(2 * (width - 1), k_max) + 1
-        merge = partial(_merge, width=out_width, node_major=node_major)
-        if _blocked(tables, node_major):
+        bounds = None
+        if fft:
+            if padded:  # the empty set: degree exactly 0
+                low, high = F.pad(low, (0, 1)), F.pad(high, (0, 1))
+            children = (low, high)
+            half = low.shape[-1] // 2
+            # Not truncated at k_max: the downward pass takes the rest's bounds as the
+            # root's minus a node's.
+            low, high = low[:, :half] + low[:, half:], high[:, :half] + high[:, half:]
+            if node_major and out_width >= _fft_width(tables.dtype):
+                bounds = (low, high)
+        merge = partial(_merge, width=out_width, node_major=node_major, bounds=bounds)
+        if bounds is not None:
+            tables, factor = merge(left, right)
+        elif _blocked(tables, node_major):
             per_row = out_width * left.shape[node_dim] * left.element_size()
             tables, factor = _in_batch_blocks(merge, (left, right), per_row)
         else:
@@ -458,7 +527,10 @@ def _upward(tables: torch.Tensor, k_max: int, with_log_scale: bool):
         if with_log_scale:
             # The logs in float64: a float32 log is off by eps |log factor|, and n of them add up.
             log_scale = log_scale + torch.log(factor.to(torch.float64)).sum(-1)
-        levels.append(_Level(left, right, padded, node_major))
+        if bounds is not None:
+            levels.append(_Level(left, right, padded, node_major, *children))
+        else:
+            levels.append(_Level(left, right, padded, node_major))
     root = tables[:, 0] if node_major else tables[:, :, 0]
     return root, levels, log_scale if with_log_scale else None
 
@@ -467,11 +539,26 @@ def _downward(root_width: int, levels, k: torch.Tensor, dtype) -> torch.Tensor:
     """Outside tables of the leaves, width-major (batch, 2, n), up to a factor per leaf."""
     outside = F.one_hot(k.long(), root_width).to(dtype)[:, None, :]  # node-major
     node_major = True
-    for left, right, padded, level_node_major in reversed(levels):
+    total = None
+    for level in reversed(levels):
+        left, right, padded, level_node_major = level[:4]
         if node_major and not level_node_major:
             outside, node_major = outside.transpose(1, 2).contiguous(), False
-        split = partial(_outside_of_children, node_major=node_major)
-        if _blocked(outside, node_major):
+        bounds = None
+        if level.low is not None:
+            if total is None:  # the root's bounds: the sums over its two children
+                total = (level.low.sum(-1, keepdim=True), level.high.sum(-1, keepdim=True))
+            # outside[a] is proportional to P(rest = k - a): possible only for
+            # low_rest <= k - a <= high_rest, and a child's own entry a only for
+            # low <= a <= high.
+            k_column = k.long()[:, None]
+            low_a = torch.maximum(level.low, k_column - (total[1] - level.high))
+            high_a = torch.minimum(level.high, k_column - (total[0] - level.low))
+            bounds = (low_a, high_a)
+        split = partial(_outside_of_children, node_major=node_major, bounds=bounds)
+        if bounds is not None:
+            outside = split(outside, left, right)
+        elif _blocked(outside, node_major):
             per_row = 2 * left.numel() // left.shape[0] * left.element_size()
             outside = _in_batch_blocks(split, (outside, left, right), per_row)
         else:
@@ -494,9 +581,27 @@ def _prepare(logits: torch.Tensor, k: torch.Tensor, k_max: int, with_log_scale: 
     the internal nodes' log factors, float64, when ``with_log_scale``)."""
     flat_logits, flat_k, batch_shape = _flatten(logits, k)
     c = tilt(flat_logits, flat_k)
-    weights, leaf_tables = _leaves(flat_logits + c)
-    root, levels, log_scale = _upward(leaf_tables, k_max, with_log_scale)
+    x = flat_logits + c
+    weights, leaf_tables = _leaves(x)
+    root, levels, log_scale = _upward(leaf_tables, k_max, with_log_scale, _use_fft(x, k_max))
     return flat_k, batch_shape, c[:, 0], weights, root, levels, log_scale
+
+
+def _fft_width(dtype) -> int:
+    return _FFT_WIDTH_FLOAT32 if dtype == torch.float32 else _FFT_WIDTH
+
+
+def _use_fft(x: torch.Tensor, k_max: int) -> bool:
+    """Whether the wide levels go by FFT: only when some level is at least ``_FFT_WIDTH``
+    wide and every row's tilted count variance ``sum_i sigmoid(x_i) sigmoid(-x_i)`` is at
+    least ``_FFT_MIN_VARIANCE`` (see "FFT path" in the module docstring)."""
+    widest = min(k_max, 2 ** (x.shape[-1] - 1).bit_length()) + 1
+    if widest < _fft_width(x.dtype) or x.shape[0] == 0:
+        return False
+    with torch.no_grad():
+        on = torch.sigmoid(x.detach())
+        variance = (on * torch.sigmoid(-x.detach())).sum(-1, dtype=torch.float64)
+        return bool((variance >= _FFT_MIN_VARIANCE).all())
 
 
 class NormalizerParts(NamedTuple):
@@ -664,10 +769,21 @@ def marginals_and_complements(
     return mu.reshape(logits.shape), complement.reshape(logits.shape)
 
 
-def _ones_to_left(counts: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+def _ones_to_left(
+    counts: torch.Tensor, left: torch.Tensor, right: torch.Tensor, low=None, high=None
+) -> torch.Tensor:
     """For parents holding ``counts`` ones (batch, num_samples, half), a draw of how many go
     to the left child: m with probability proportional to left[m] right[c - m]. Tables are
-    (batch, half, width)."""
+    (batch, half, width). ``low``, ``high``: on FFT levels, the children's degree bounds
+    (batch, 2 half); the draw is then kept among the splits both children can hold (FFT
+    noise could otherwise, with a probability of the order of the noise, lead to a parent
+    count whose splits all have weight zero)."""
+    if low is not None:
+        half = low.shape[-1] // 2
+        drawn = _ones_to_left(counts, left, right)
+        first = torch.maximum(low[:, None, :half], counts - high[:, None, half:])
+        last = torch.minimum(high[:, None, :half], counts - low[:, None, half:])
+        return torch.minimum(torch.maximum(drawn, first), last)
     w_left = left.shape[-1]
     left = left[:, None]
     if w_left == 2 and right.shape[-1] == 2:  # pairs of leaves: only a count of 1 is random
@@ -699,13 +815,15 @@ def _ones_to_left(counts: torch.Tensor, left: torch.Tensor, right: torch.Tensor)
 def _draw(root_k: torch.Tensor, levels, num_samples: int) -> torch.Tensor:
     """Counts of ones per leaf, (num_samples, batch, n), top-down from root counts (batch,)."""
     counts = root_k.long()[:, None, None].expand(-1, num_samples, 1)  # (batch, samples, nodes)
-    for left, right, padded, node_major in reversed(levels):
+    for level in reversed(levels):
+        left, right, padded, node_major = level[:4]
         if not node_major:
             left, right = left.transpose(1, 2), right.transpose(1, 2)
         per_row = num_samples * left.numel() // left.shape[0] * left.element_size()
-        ones_left = _in_batch_blocks(
-            _ones_to_left, (counts, left, right), per_row, _DRAW_BLOCK_BYTES
-        )
+        tables = (counts, left, right)
+        if level.low is not None:
+            tables += (level.low, level.high)
+        ones_left = _in_batch_blocks(_ones_to_left, tables, per_row, _DRAW_BLOCK_BYTES)
         counts = torch.cat([ones_left, counts - ones_left], dim=-1)
         if padded:
             counts = counts[..., :-1]
