@@ -14,10 +14,15 @@ in milliseconds, all measured in this one run; ratios are taken within it):
   enumeration| at n = 12.
 
 The reference DP costs O(n) sequential steps; at n = 10000 it runs once (no repeats).
+
+``--scaling [options]`` runs ``benchmarks.exactly_k_scaling`` instead: n up to 1e7, k up to
+n/2, peak memory, log-log slopes and JAX compile times, against the previous kernels
+(``benchmarks/exactly_k_previous_*.py``) in the same run.
 """
 
 import argparse
 import os
+import sys
 import time
 
 # One thread per framework: the machine is shared, and the comparison is per core.
@@ -110,6 +115,10 @@ def accuracy(package: str, n: int, rng) -> tuple[float, float]:
 
 
 def main() -> None:
+    if "--scaling" in sys.argv[1:]:
+        from benchmarks import exactly_k_scaling
+
+        return exactly_k_scaling.main([arg for arg in sys.argv[1:] if arg != "--scaling"])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="n <= 1000, batch 64, 2 repeats")
     parser.add_argument("--packages", default="torch,jax")

@@ -38,6 +38,36 @@ Method (SIMPLE Algorithms 4 and 5, in scaled linear space):
   left child m of them with probability proportional to ``left[m] right[c - m]``, down to
   the leaves.
 
+FFT path (cost independent of k). A level of the tree whose product tables are at least
+``_FFT_WIDTH`` wide is computed by FFT instead of the direct sums: the upward convolutions
+and the downward correlations, in float64 arithmetic whatever the tables' dtype. A level of
+w-wide tables then costs O(n log w) instead of O(n w), so the whole tree costs O(n log^2 n)
+for any k, and the tables stored for the backward pass and the sampler are O(n log n)
+entries. Accuracy, and why it suffices:
+
+* FFT rounding is about 1e-16 times the largest entry of each output table, not relative to
+  each entry. Structural zeros stay exact: every node carries the bounds of its possible
+  counts (a leaf can be off unless its off-weight is flushed to zero, on unless its
+  on-weight is zero; a parent sums its children's), and FFT outputs outside them are set to
+  exactly zero, outside tables likewise (the rest of the tree must be able to hold
+  ``k - a``). So ``-inf`` logits are never selected, forced variables always are, and the
+  sampler additionally keeps every draw within the bounds.
+* Which entries need relative accuracy: the tilt puts the expected count at k, so for every
+  node the entries that carry ``root[k]`` and the marginals lie near the peak of its table
+  and near the peak of its outside table, where an error relative to the largest entry is a
+  relative error. A leaf's marginal ``w_1 o_1 / (w_0 o_0 + w_1 o_1)`` takes its own
+  weights exactly (they never pass through an FFT) and ``o_0, o_1 = P(rest = k), P(rest =
+  k - 1)`` (up to a common factor): both are near the peak of the rest's count distribution
+  when that distribution is spread out, so marginals and complements as small as 1e-300
+  keep full relative precision. It fails only when the count distribution is nearly
+  deterministic (its variance ``V = sum_i sigmoid(x_i) sigmoid(-x_i)`` small: then
+  ``o_0 / o_1`` can be far below 1e-16 and the smaller one is noise). Hence the rule: the
+  FFT path is taken only when every row has ``V >= _FFT_MIN_VARIANCE`` (4); other batches
+  take the exact direct sums at every level (O(n k) again: a batch with one nearly
+  deterministic row is as slow as before). Measured (tests/test_exactly_k_kernels.py):
+  marginals down to 1e-60 and the log normaliser agree with the direct path and with a
+  log-space reference to about 1e-15 relative in float64 and to float32 rounding in float32.
+
 Storage and arithmetic, chosen by measurement (benchmarks/README.md):
 
 * A level of the tree pairs node j with node j + half (the nodes split in halves, so both
@@ -45,10 +75,11 @@ Storage and arithmetic, chosen by measurement (benchmarks/README.md):
   width-major, (batch, width, nodes): the lower levels hold many narrow nodes, and each
   shift of a convolution is then one multiply-add over a contiguous slab. Wider tables are
   stored node-major, (batch, nodes, width).
-* Upward convolutions are always direct (sums of positive products: every entry keeps its
-  relative precision, and an entry is zero exactly when it is impossible, which the sampler
-  relies on): float32 node-major levels by one grouped oneDNN ``conv1d``, the rest by
-  shifting and adding in place.
+* Upward convolutions off the FFT path are direct (sums of positive products: every entry
+  keeps its relative precision, and an entry is zero exactly when it is impossible):
+  float32 node-major levels by one grouped oneDNN ``conv1d``, the rest by shifting and
+  adding in place. The FFT path starts at ``_FFT_WIDTH`` (float64) and
+  ``_FFT_WIDTH_FLOAT32`` (float32 levels are one oneDNN convolution, faster up to there).
 * Downward correlations of float64 tables at least ``_FFT_WIDTH_FLOAT64`` wide are computed
   by FFT (``_correlate_by_fft``: its error is relative to a table's largest entry, which
   the marginals tolerate, see there); the rest directly.

@@ -7,6 +7,7 @@ with few distinct shapes: each new shape costs a compilation.
 """
 
 import functools
+import time
 from functools import partial
 
 import jax
@@ -306,3 +307,118 @@ def test_torch_kernels_never_produce_denormals():
     normal = plain[0].abs() >= torch.finfo(torch.float32).tiny
     assert torch.equal(plain[0][normal], flushed[0][normal])
     assert torch.equal(plain[1], flushed[1])
+
+
+# ----------------------------------------------------------------------------------------
+# The FFT path (levels at least _FFT_WIDTH wide, rows with tilted count variance >= 4).
+
+
+@functools.cache
+def _fft_problem():
+    """n = 500 with k_max = 512: the upper levels are 129 to 513 wide, so they take the FFT
+    path in both dtypes. Logits ~ N(-1, 20^2) (marginals far below 1e-20), with entries that
+    are never (-inf, -1e4 below the others) or always (+1e4) selected, which FFT rounding
+    must not disturb: their marginals are exactly 0 and 1, and a sample never or always
+    holds them."""
+    rng = np.random.default_rng(500)
+    logits = rng.normal(-1.0, 20.0, size=(3, 500))
+    logits[:, :5] = -np.inf
+    logits[:, 5:10] = -1e4
+    logits[:, 10:15] = 1e4
+    return logits, np.array([60, 250, 430])
+
+
+def _torch_direct(monkeypatch, logits, ks, k_max):
+    """The torch kernels with the FFT path switched off (the exact direct sums)."""
+    with monkeypatch.context() as patch:
+        patch.setattr(torch_kernels, "_FFT_WIDTH", 10**9)
+        patch.setattr(torch_kernels, "_FFT_WIDTH_FLOAT32", 10**9)
+        return _run("torch", logits, ks, k_max)
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_fft_path_matches_log_space_recursion_and_direct_path(framework, monkeypatch):
+    logits, ks = _fft_problem()
+    module = torch_kernels if framework == "torch" else jax_kernels
+    for dtype in (np.float64, np.float32):
+        x = logits.astype(dtype)
+        tilted = x + np.asarray(module.tilt(_tensor(framework, x), _tensor(framework, ks)))
+        assert bool(module._use_fft(_tensor(framework, tilted), 512))  # the case under test
+    log_norm, mu = _run(framework, logits, ks, 512)
+    log_norm32, mu32 = _run(framework, logits.astype(np.float32), ks, 512)
+    direct_log_norm, direct_mu = _torch_direct(monkeypatch, logits, ks, 512)
+    for row, k in enumerate(ks):
+        finite = logits[row] > -np.inf
+        expected = oracle.log_elementary_symmetric(logits[row][finite], k)[k]
+        assert abs(log_norm[row] - expected) < 1e-12 * abs(expected)
+        indices = np.r_[np.argsort(mu[row])[15:20], 10, 100, 200, 300]
+        reference = oracle.exactly_k_log_marginals(logits[row], k, indices)
+        if row == 0:  # tiny marginals keep their relative precision
+            assert mu[row, indices[:5]].max() < 1e-20
+        # The recursion's own rounding over 500 terms of up to e^60 is about 5e-11.
+        np.testing.assert_allclose(np.log(mu[row, indices]), reference, rtol=0, atol=2e-10)
+    np.testing.assert_allclose(mu, direct_mu, rtol=1e-12, atol=0)
+    np.testing.assert_allclose(log_norm, direct_log_norm, rtol=1e-14, atol=0)
+    assert not mu[:, :10].any() and (mu[:, 10:15] == 1.0).all()
+    assert not mu32[:, :10].any() and (mu32[:, 10:15] == 1.0).all()
+    assert np.abs(mu32 - mu).max() < 1e-5
+    assert np.all(np.abs(log_norm32 - log_norm) < 1e-6 * np.abs(log_norm))
+
+
+def _tensor(framework, array):
+    return torch.tensor(array) if framework == "torch" else jnp.asarray(array)
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_fft_path_samples_are_exact_and_match_the_marginals(framework):
+    """4000 draws on the FFT path: exactly k ones, never a -inf or -1e4 logit, always the
+    +1e4 ones, and every coordinate's frequency within 5 binomial standard errors of its
+    marginal (the kernels' own, which the test above checks against the recursion)."""
+    logits, ks = _fft_problem()
+    num_samples = 4000
+    samples = _draw(framework, logits, ks, num_samples)
+    _, mu = _run(framework, logits, ks, 512)  # the tables of the test above
+    assert np.array_equal(samples.sum(-1), np.broadcast_to(ks, (num_samples, 3)).astype(float))
+    assert not samples[..., :10].any() and samples[..., 10:15].all()
+    frequency = samples.mean(0)
+    standard_error = np.sqrt(mu * (1.0 - mu) / num_samples)
+    # Two draws of slack: the normal approximation fails for marginals near 0 or 1 (a
+    # marginal of 6e-6 is drawn once in 4000 about once in 40 such coordinates).
+    assert np.all(np.abs(frequency - mu) <= 5.0 * standard_error + 2.0 / num_samples)
+
+
+def test_torch_fft_path_cost_does_not_grow_with_k():
+    """Marginals at n = 20000: k = 10000 (FFT levels up to 16385 wide) against k = 1000 (up
+    to 1025). The direct sums take about 10x longer at the larger k; the FFT path stays
+    within a small factor (minimum of three runs, generous bound for a shared machine)."""
+    logits = torch.tensor(np.random.default_rng(9).normal(0.0, 1.0, size=(1, 20000)))
+
+    def seconds(k):
+        k_max = 1 << (k - 1).bit_length()
+        best = np.inf
+        for _ in range(3):
+            start = time.perf_counter()
+            torch_kernels.marginals(logits, torch.tensor([k]), k_max)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    assert seconds(10000) < 4.0 * seconds(1000)
+
+
+def test_jax_eager_calls_compile_once_per_size_bucket():
+    """n = 20, 25, 31 and 32 share the bucket 32, and k_max = 5 and 8 the table size 8: new
+    logits, new n and new k within the bucket reuse the compiled kernels."""
+    rng = np.random.default_rng(10)
+
+    def call(n, k, k_max):
+        logits = jnp.asarray(rng.normal(size=(2, n)))
+        mu = jax_kernels.marginals(logits, jnp.asarray([k, k]), k_max)
+        z = jax_kernels.sample(jax.random.PRNGKey(n), logits, jnp.asarray([k, k]), k_max)
+        assert mu.shape == z.shape == (2, n)
+        assert np.allclose(np.asarray(mu.sum(-1)), k) and np.all(np.asarray(z.sum(-1)) == k)
+
+    call(20, 5, 8)
+    sizes = jax_kernels._marginals._cache_size(), jax_kernels._sample._cache_size()
+    for n, k, k_max in ((25, 5, 8), (31, 3, 5), (32, 8, 8), (20, 4, 8)):
+        call(n, k, k_max)
+    assert (jax_kernels._marginals._cache_size(), jax_kernels._sample._cache_size()) == sizes

@@ -1,0 +1,552 @@
+"""The previous kernels (main before the FFT path), kept verbatim for the benchmarks'
+same-run comparison (``benchmarks.exactly_k --scaling``); the library uses
+``numpyro_constrained.exactly_k_kernels``.
+
+Numerical kernels of ExactlyKBernoulli (MATH.md section 1), JAX.
+
+Pure functions of ``logits`` (shape ``batch + (n,)``, entries finite or ``-inf``), ``k``
+(integer array of shape ``batch``, ``0 <= k <= number of finite logits``) and ``k_max`` (a
+Python int, ``max(k) <= k_max <= n``; tables are truncated at it). The distribution calls
+only these functions; ``+inf`` logits and feasibility are handled by the caller. All of them
+work under ``jax.jit``, ``jax.vmap`` and ``jax.grad``, and are jitted themselves (``k_max`` and
+``sample_shape`` static) so that eager calls compile once per shape.
+
+Method (SIMPLE Algorithms 4 and 5, in scaled linear space; the same as
+``pyro_constrained.exactly_k_kernels``):
+
+* Tilt: add a constant c (no gradient) so that the tilted Bernoullis
+  ``z_i ~ Bernoulli(sigmoid(x_i))``, ``x = logits + c``, have expected count about k.
+  This leaves the conditional distribution unchanged and puts the bulk of every table
+  near the entries that matter.
+* Upward pass: each leaf holds the table ``[1, exp(x_i)]`` (the polynomial
+  ``1 + exp(x_i) t``), each internal node the product of its children's polynomials
+  truncated at degree ``k_max`` (a truncated convolution): a binary tree of depth
+  ``ceil(log2 n)`` and O(n k_max) work. Every table is stored divided by its largest entry,
+  with the log of that factor kept aside, so nothing overflows; entries below
+  ``sqrt(tiny)`` times the largest one are set to zero, so every product of two stored
+  entries is a normal float (denormal arithmetic is up to 100x slower on CPUs, and such
+  entries are invisible at working precision next to the largest one). The root's entry k
+  is ``e_k(exp x)`` up to the kept factors:
+
+      log e_k(exp logits) = log root[k] + sum of kept log factors - k c.
+
+* Downward pass (inside-outside): the outside table of the root is the indicator of k; a
+  child's outside table is the correlation of its parent's outside table with its
+  sibling's table. At a leaf with outside table ``[o_0, o_1]``,
+
+      mu_i = exp(x_i) o_1 / (o_0 + exp(x_i) o_1),
+
+  a ratio of positive terms (no cancellation, so small marginals keep their relative
+  precision). Every outside table is again rescaled by its largest entry: the ratio does
+  not depend on it. The marginals are built from differentiable operations, so they can be
+  differentiated again (the straight-through gradient), and ``log_normalizer``'s
+  derivative is defined (``custom_jvp``) to be these marginals.
+* Sampling (SIMPLE Algorithm 5): the root holds k ones; a node holding c ones gives its
+  left child m of them with probability proportional to ``left[m] right[c - m]``, down to
+  the leaves.
+
+Convolutions and correlations are computed directly (sums of positive products: every
+entry keeps its relative precision). The torch kernels compute wide float64 outside tables
+by FFT, whose error is relative to a table's largest entry, which the marginals tolerate;
+this module meets the benchmark targets without it (benchmarks/README.md).
+"""
+
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+_TILT_STEPS = 6
+# A step below this leaves the expected count within about 1e-4 of k (measured; Newton
+# converges quadratically), far closer than the tables need.
+_TILT_TOLERANCE = 0.1
+# Rows that have not converged after _TILT_STEPS, or whose count distribution is nearly
+# deterministic at the result (variance below _TILT_FLAT, where the expected count can be
+# flat to working precision far from the root), start again from order statistics
+# (_restart_tilt) and may take up to _TILT_MAX_STEPS steps.
+_TILT_FLAT = 0.1
+_TILT_MAX_STEPS = 60
+# Widths up to this are convolved by an unrolled shift-and-add (fused by XLA); wider ones by
+# a fori_loop over groups of _SHIFTS_PER_STEP shifts, so compile time does not grow with
+# k_max while each loop step still makes one fused pass over the output.
+_UNROLL_WIDTH = 2
+_SHIFTS_PER_STEP = 8
+
+
+def tilt(logits: jax.Array, k: jax.Array) -> jax.Array:
+    """A constant c per batch element (shape ``batch + (1,)``, under ``stop_gradient``) with
+    ``sum_i sigmoid(logits_i + c) ~= k``, for any finite logits however large.
+
+    Newton's method on ``g(c) = log f(c) - log(m - f(c))``, f the expected count and m the
+    number of finite logits: g is increasing and close to linear with slope 1 in both tails
+    (where Newton on f itself crawls), and exactly linear when m = 1. Steps that leave a
+    bracket that provably holds the root are replaced by bisection, and the iteration stops
+    once every step is below ``_TILT_TOLERANCE`` (usually after 2 or 3 steps from the
+    bracket ``[logit(t/m) - max x, logit(t/m) - min x]``). That bracket is as wide as the
+    spread of the logits: with masked logits (-1e4, -1e9) bisection cannot narrow it in a
+    few steps, and inside a wide gap between the logits f is constant to working precision,
+    so Newton may stop anywhere in the gap. Rows where either can have happened restart
+    from order statistics (``_restart_tilt``; under ``vmap`` the restart is computed for
+    every row, because ``lax.cond`` becomes a select). The target count t is clamped to
+    [1/2, m - 1/2] because the exact solution is infinite for k = 0 and k = m; any finite c
+    leaves the distribution unchanged, and the tables only need c roughly right.
+    """
+    logits = lax.stop_gradient(logits)
+    dtype = logits.dtype
+    finite = jnp.isfinite(logits)
+    num_finite = finite.sum(-1, keepdims=True).astype(dtype)
+    m = jnp.maximum(num_finite, 1.0)
+    target = jnp.minimum(jnp.maximum(jnp.asarray(k).astype(dtype)[..., None], 0.5), m - 0.5)
+    target = jnp.maximum(target, 0.25)  # m = 1: any c in a wide range will do
+    largest = logits.max(-1, keepdims=True)
+    smallest = jnp.where(finite, logits, jnp.inf).min(-1, keepdims=True)
+    goal = jnp.log(target) - jnp.log(m - target)
+    low = jnp.where(num_finite > 0, goal - largest, 0.0).astype(dtype)
+    high = jnp.where(num_finite > 0, goal - smallest, 0.0).astype(dtype)
+    c, settled = _newton(logits, finite, goal, low, high, 0.5 * (low + high), _TILT_STEPS)
+    unsettled = ~settled & (num_finite > 1)
+
+    def restart():
+        return jnp.where(unsettled, _restart_tilt(logits, finite, target, goal, m), c)
+
+    c = lax.cond(jnp.any(unsettled), restart, lambda: c)
+    return lax.stop_gradient(c)
+
+
+def _newton(logits, finite, goal, low, high, c, max_steps: int):
+    """Safeguarded Newton steps on g (see ``tilt``) from ``c`` inside ``[low, high]``.
+    Returns (c, settled): settled rows took a last step below ``_TILT_TOLERANCE`` at a
+    count variance of at least ``_TILT_FLAT``."""
+    dtype = logits.dtype
+
+    def step(state):
+        # One sigmoid per step: 1 - on is exact to an absolute eps, which only matters where
+        # the off-count is tiny, far from the root (the bracket catches it).
+        steps, c, low, high, _, _ = state
+        on = jax.nn.sigmoid(logits + c)
+        off = jnp.where(finite, 1.0 - on, 0.0)
+        count_on = on.sum(-1, keepdims=True)
+        count_off = off.sum(-1, keepdims=True)
+        slope = (on * off).sum(-1, keepdims=True)
+        g = jnp.log(count_on) - jnp.log(count_off)
+        too_many = g > goal
+        high = jnp.where(too_many, c, high)
+        low = jnp.where(too_many, low, c)
+        newton = c - (g - goal) / (slope * (1.0 / count_on + 1.0 / count_off))
+        inside = (newton >= low) & (newton <= high)  # False for NaN steps too
+        new_c = jnp.where(inside, newton, 0.5 * (low + high)).astype(dtype)
+        small = jnp.abs(new_c - c) <= _TILT_TOLERANCE
+        done = jnp.all(small | (high - low <= _TILT_TOLERANCE))
+        return steps + 1, new_c, low, high, done, small & (slope >= _TILT_FLAT)
+
+    def more(state):
+        steps, _, _, _, done, _ = state
+        return (steps < max_steps) & ~done
+
+    settled = jnp.zeros(c.shape, bool)
+    start = (jnp.int32(0), c.astype(dtype), low, high, jnp.bool_(False), settled)
+    _, c, _, _, _, settled = lax.while_loop(more, step, start)
+    return c, settled
+
+
+def _restart_tilt(logits, finite, target, goal, m):
+    """The tilt from the order statistics ``a = x_(ceil t)`` and ``b = x_(floor t + 1)``
+    (descending): at ``c = -b + log(t / (floor t + 1 - t))`` the largest ``floor t + 1``
+    terms alone reach the count t, and at ``c = -a - log((m - t) / (t - ceil t + 1))`` the
+    terms from rank ``ceil t`` down cannot lift it above t, so the root lies between, a
+    bracket only ``a - b + O(log m)`` wide. When a - b is large (a gap), the root is within
+    ``log(m) / 2`` of ``-(a + b) / 2 + log(t / (m - t)) / 2`` (the two saturated tails
+    balance there), where Newton starts; f may be flat there to working precision, but the
+    start is already as close as the tables need."""
+    descending = -jnp.sort(-logits, axis=-1)
+    above = jnp.ceil(target) - 1
+    below = jnp.minimum(jnp.floor(target), logits.shape[-1] - 1)
+    a = jnp.take_along_axis(descending, above.astype(jnp.int32), axis=-1)
+    b = jnp.take_along_axis(descending, below.astype(jnp.int32), axis=-1)
+    # Rows without finite logits (not restarted) must not turn the loop's test into NaN.
+    a, b = (jnp.where(jnp.isfinite(t), t, 0.0) for t in (a, b))
+    low = -a - jnp.log((m - target) / (target - above))
+    high = -b + jnp.log(target / (below + 1.0 - target))
+    start = -(0.5 * a + 0.5 * b) + 0.5 * (jnp.log(target) - jnp.log(m - target))
+    start = jnp.clip(start, low, high)
+    return _newton(logits, finite, goal, low, high, start, _TILT_MAX_STEPS)[0]
+
+
+# ----------------------------------------------------------------------------------------
+# Truncated convolutions and correlations of many short tables at once.
+
+
+def _pad_last(x: jax.Array, before: int, after: int) -> jax.Array:
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(before, after)])
+
+
+def _convolve(left: jax.Array, right: jax.Array, width: int) -> jax.Array:
+    """out[..., j] = sum_a left[..., a] right[..., j - a] for j < width."""
+    left = left[..., :width]
+    w_left, w_right = left.shape[-1], right.shape[-1]
+    if w_left <= _UNROLL_WIDTH:
+        out = jnp.zeros(left.shape[:-1] + (width,), left.dtype)
+        for a in range(w_left):
+            span = min(w_right, width - a)
+            out = out + _pad_last(left[..., a : a + 1] * right[..., :span], a, width - a - span)
+        return out
+    # shifted[a][j] = right[j - a]: a window of right padded by zeros on both sides. The
+    # shifts are taken _SHIFTS_PER_STEP at a time (left padded with zero weights), so that
+    # XLA fuses them into one pass over the output per loop step.
+    steps = -(-w_left // _SHIFTS_PER_STEP)
+    left = _pad_last(left, 0, steps * _SHIFTS_PER_STEP - w_left)
+    before = max(width, steps * _SHIFTS_PER_STEP)
+    padded = _pad_last(right[..., :width], before, width + max(0, width - w_right))
+
+    def add_shifts(step, out):
+        for shift in range(_SHIFTS_PER_STEP):
+            a = step * _SHIFTS_PER_STEP + shift
+            shifted = lax.dynamic_slice_in_dim(padded, before - a, width, axis=-1)
+            out = out + lax.dynamic_slice_in_dim(left, a, 1, axis=-1) * shifted
+        return out
+
+    return lax.fori_loop(0, steps, add_shifts, jnp.zeros(left.shape[:-1] + (width,), left.dtype))
+
+
+def _correlate(outside: jax.Array, right: jax.Array, width: int) -> jax.Array:
+    """out[..., a] = sum_b outside[..., a + b] right[..., b] for a < width."""
+    w_right = right.shape[-1]
+    outside = outside[..., : width + w_right - 1]
+    padded = _pad_last(outside, 0, width + w_right - outside.shape[-1])
+    if w_right <= _UNROLL_WIDTH:
+        out = jnp.zeros(outside.shape[:-1] + (width,), outside.dtype)
+        for b in range(w_right):
+            out = out + padded[..., b : b + width] * right[..., b : b + 1]
+        return out
+
+    steps = -(-w_right // _SHIFTS_PER_STEP)
+    right = _pad_last(right, 0, steps * _SHIFTS_PER_STEP - w_right)
+    padded = _pad_last(padded, 0, steps * _SHIFTS_PER_STEP - w_right)
+
+    def add_shifts(step, out):
+        for shift in range(_SHIFTS_PER_STEP):
+            b = step * _SHIFTS_PER_STEP + shift
+            window = lax.dynamic_slice_in_dim(padded, b, width, axis=-1)
+            out = out + window * lax.dynamic_slice_in_dim(right, b, 1, axis=-1)
+        return out
+
+    zeros = jnp.zeros(outside.shape[:-1] + (width,), outside.dtype)
+    return lax.fori_loop(0, steps, add_shifts, zeros)
+
+
+def _rescale(table: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(table / its largest entry, log of that entry) per node, with entries below
+    sqrt(tiny) of the largest set to zero (so products of two entries are never denormal).
+
+    The factor is under stop_gradient: every quantity computed from the tables is either
+    invariant to it (marginals, sampling) or adds it back explicitly (the normaliser).
+    """
+    info = jnp.finfo(table.dtype)
+    tiny = float(info.tiny)
+    largest = jnp.maximum(lax.stop_gradient(table).max(-1, keepdims=True), tiny)
+    table = jnp.where(table >= largest * tiny**0.5, table, 0.0) / largest
+    # The log in the wide dtype: a float32 log is off by eps |log factor|, and n of them add up.
+    return table, jnp.log(largest[..., 0].astype(wide_dtype(table.dtype)))
+
+
+def _leaves(x: jax.Array, k_max: int):
+    """Leaf tables ``[1, exp(x_i)]`` divided by their largest entry exp(max(x_i, 0)):
+    returns (``[exp(-max(x, 0)), exp(x - max(x, 0))]`` (unflushed), flushed tables truncated
+    at k_max). The log factors, ``max(x_i, 0)``, are added back in the wide dtype by
+    ``log_normalizer_value``."""
+    shift = jnp.maximum(lax.stop_gradient(x), 0.0)
+    weights = jnp.stack([jnp.exp(-shift), jnp.exp(x - shift)], axis=-1)
+    floor = float(jnp.finfo(x.dtype).tiny) ** 0.5
+    tables = jnp.where(weights >= floor, weights, 0.0)[..., : k_max + 1]
+    return weights, tables
+
+
+def wide_dtype(dtype):
+    """The dtype of the normaliser's parts and of the values computed from them: float64
+    when x64 is on (in float32 they are sums of many terms that can be large and nearly
+    cancel), else ``dtype``."""
+    return jnp.promote_types(dtype, jnp.float64) if jax.config.jax_enable_x64 else dtype
+
+
+def _upward(tables: jax.Array, k_max: int):
+    """Merge pairs of nodes until one is left. ``tables``: (batch, nodes, width)."""
+    levels = []
+    log_scale = jnp.zeros(tables.shape[0], wide_dtype(tables.dtype))
+    while tables.shape[1] > 1:
+        batch, nodes, width = tables.shape
+        padded = nodes % 2 == 1
+        if padded:  # pair the last node with the table of an empty set, [1, 0, ...]
+            empty = jnp.zeros((batch, 1, width), tables.dtype).at[..., 0].set(1.0)
+            tables = jnp.concatenate([tables, empty], axis=1)
+        pairs = tables.reshape(batch, -1, 2, width)
+        left, right = pairs[:, :, 0], pairs[:, :, 1]
+        merged = _convolve(left, right, min(2 * (width - 1), k_max) + 1)
+        tables, log_factor = _rescale(merged)
+        log_scale = log_scale + log_factor.astype(log_scale.dtype).sum(-1)
+        levels.append((left, right, padded))
+    return tables[:, 0], levels, log_scale
+
+
+def _downward(root_width: int, levels, k: jax.Array, dtype) -> jax.Array:
+    """Outside tables of the leaves, (batch, n, width of a leaf), up to a factor per leaf."""
+    outside = jax.nn.one_hot(k, root_width, dtype=dtype)[:, None, :]
+    for left, right, padded in reversed(levels):
+        batch, nodes, width = left.shape
+        # Both children at once: the left one's sibling is `right` and vice versa.
+        siblings = jnp.stack([right, left], axis=2)
+        both = jnp.broadcast_to(outside[:, :, None], (batch, nodes, 2, outside.shape[-1]))
+        outside, _ = _rescale(_correlate(both, siblings, width))
+        outside = outside.reshape(batch, 2 * nodes, width)
+        if padded:
+            outside = outside[:, :-1]
+    return outside
+
+
+def _prepare(logits: jax.Array, k: jax.Array, k_max: int):
+    """Flattened tilted inputs, leaf weights, and the upward pass (``log_scale``: the sum of
+    the internal nodes' log factors, in the wide dtype)."""
+    n = logits.shape[-1]
+    flat_logits = logits.reshape(-1, n)
+    flat_k = jnp.broadcast_to(jnp.asarray(k), logits.shape[:-1]).reshape(-1).astype(jnp.int32)
+    c = tilt(flat_logits, flat_k)
+    weights, leaf_tables = _leaves(flat_logits + c, k_max)
+    root, levels, log_scale = _upward(leaf_tables, k_max)
+    return flat_k, c[:, 0], weights, root, levels, log_scale
+
+
+class NormalizerParts(NamedTuple):
+    """The log normaliser in two parts that keep their precision for logits of any size
+    (float64 when x64 is on, shape ``batch``, under ``stop_gradient``): with
+    ``x = logits + tilt``,
+
+        log e_k(exp logits) = log_reduced + sum_i max(x_i, 0) - k tilt,
+
+    where ``log_reduced = log e_k(exp x) - sum_i max(x_i, 0)`` is the log of the root's
+    entry k times the internal nodes' factors. Every quantity that is a small difference of
+    large terms when written with the logits (log_prob, entropy, KL, the constraint
+    probability) is a sum of terms of one sign when written with ``x`` and ``log_reduced``
+    (the ``*_value`` functions below); a saturated variable (``|x_i|`` beyond the dtype's
+    precision) then contributes exactly nothing, as conditioning on its value would."""
+
+    tilt: jax.Array
+    log_reduced: jax.Array
+
+
+def _parts_from(logits, flat_k, c, root, log_scale) -> NormalizerParts:
+    wide = wide_dtype(logits.dtype)
+    root_k = jnp.take_along_axis(root, flat_k[:, None], axis=-1)[:, 0]
+    log_reduced = jnp.log(root_k.astype(wide)) + log_scale.astype(wide)
+    batch_shape = logits.shape[:-1]
+    parts = NormalizerParts(c.astype(wide).reshape(batch_shape), log_reduced.reshape(batch_shape))
+    return jax.tree_util.tree_map(lax.stop_gradient, parts)
+
+
+def _zero_parts(logits: jax.Array) -> NormalizerParts:
+    """The parts for k = 0 everywhere: e_0 = 1, no tilt."""
+    zero_tilt = jnp.zeros(logits.shape[:-1], wide_dtype(logits.dtype))
+    x = _tilted(logits, zero_tilt)
+    return NormalizerParts(zero_tilt, -jnp.maximum(x, 0.0).sum(-1))
+
+
+@partial(jax.jit, static_argnames="k_max")
+def normalizer_parts(logits: jax.Array, k: jax.Array, k_max: int) -> NormalizerParts:
+    """The parts of ``log e_k(exp logits)`` (see ``NormalizerParts``), from one upward pass."""
+    logits = lax.stop_gradient(logits)
+    if k_max == 0:
+        return _zero_parts(logits)
+    flat_k, c, _, root, _, log_scale = _prepare(logits, jnp.asarray(k), k_max)
+    return _parts_from(logits, flat_k, c, root, log_scale)
+
+
+def _tilted(logits: jax.Array, tilt: jax.Array) -> jax.Array:
+    """``x = logits + tilt`` in the wide dtype (``-inf`` stays ``-inf``)."""
+    return lax.stop_gradient(logits).astype(tilt.dtype) + tilt[..., None]
+
+
+def log_normalizer_value(logits: jax.Array, k: jax.Array, parts: NormalizerParts) -> jax.Array:
+    """``log e_k(exp logits)`` in the wide dtype from its parts."""
+    x = _tilted(logits, parts.tilt)
+    positive = jnp.maximum(x, 0.0).sum(-1)
+    return parts.log_reduced + positive - jnp.asarray(k).astype(x.dtype) * parts.tilt
+
+
+@jax.jit
+def log_prob_value(logits: jax.Array, parts: NormalizerParts, value: jax.Array) -> jax.Array:
+    """``logits . z - log e_k(exp logits)`` for k-hot ``z`` (wide dtype, no gradient), as
+    ``sum_i (x_i z_i - max(x_i, 0)) - log_reduced``: every term is 0 or has the sign of the
+    penalty it stands for, so nothing cancels."""
+    x = _tilted(logits, parts.tilt)
+    z = lax.stop_gradient(value).astype(x.dtype)
+    terms = jnp.where(x > -jnp.inf, x * z - jnp.maximum(x, 0.0), 0.0)
+    return terms.sum(-1) - parts.log_reduced
+
+
+@jax.jit
+def cross_entropy_value(
+    logits: jax.Array, parts: NormalizerParts, mu: jax.Array, mu_complement: jax.Array
+) -> jax.Array:
+    """``-E[log q(z)]`` for q the distribution of ``logits`` (with ``parts``) and z with
+    marginals ``mu`` (``mu_complement = 1 - mu``, computed without rounding): with x the
+    tilted logits of q, ``log_reduced + sum_i max(x_i, 0) (1 - mu_i) + max(-x_i, 0) mu_i``,
+    a sum of non-negative terms after ``log_reduced``. With q the distribution of ``mu``
+    itself this is its entropy. Wide dtype, no gradient."""
+    x = _tilted(logits, parts.tilt)
+    mu, mu_complement = (lax.stop_gradient(t).astype(x.dtype) for t in (mu, mu_complement))
+    terms = jnp.maximum(x, 0.0) * mu_complement + jnp.maximum(-x, 0.0) * mu
+    return jnp.where(x > -jnp.inf, terms, 0.0).sum(-1) + parts.log_reduced
+
+
+@jax.jit
+@jax.jit
+def log_constraint_prob_value(logits: jax.Array, k: jax.Array, parts: NormalizerParts):
+    """``log P(sum z = k)`` for independent ``z_i ~ Bernoulli(sigmoid(logits_i))`` (wide
+    dtype, no gradient), without the cancellation of ``log e_k - sum softplus(logits)``. With
+    ``softplus(w) = max(w, 0) + log1p(exp(-|w|))`` and ``x = logits + c``,
+
+        log P = log_reduced + sum_i [max(x_i, 0) - max(logits_i, 0)] - k c
+                - sum_i log1p(exp(-|logits_i|)),
+
+    and the middle sum is ``c (P - k) + sum logits_i [x_i >= 0 > logits_i]
+    - sum logits_i [logits_i >= 0 > x_i]``, P the number of non-negative ``x_i``: an
+    integer multiple of c plus logits that change sides under the tilt. No term is formed
+    as ``logits + c``, whose rounding would be relative to c, and the large terms are as
+    large as the answer (each side-changing variable costs about its own logit)."""
+    theta = lax.stop_gradient(logits).astype(parts.tilt.dtype)
+    x = theta + parts.tilt[..., None]
+    finite = theta > -jnp.inf
+    x_on, theta_on = (x >= 0) & finite, (theta >= 0) & finite
+    shift = parts.tilt * (x_on.sum(-1) - jnp.asarray(k))
+    shift = shift + jnp.where(x_on & ~theta_on, theta, 0.0).sum(-1)
+    shift = shift - jnp.where(theta_on & ~x_on, theta, 0.0).sum(-1)
+    tails = jnp.where(finite, jnp.log1p(jnp.exp(-jnp.abs(theta))), 0.0).sum(-1)
+    return parts.log_reduced + shift - tails
+
+
+def _marginals_from(flat_k, weights, root, levels, with_complements: bool = False):
+    outside = _downward(root.shape[-1], levels, flat_k, weights.dtype)
+    on = weights[..., 1] * outside[..., 1]
+    off = weights[..., 0] * outside[..., 0]
+    total = jnp.maximum(off + on, jnp.finfo(on.dtype).tiny)
+    if with_complements:
+        return on / total, lax.stop_gradient(off / total)
+    return on / total
+
+
+@partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _log_normalizer(logits: jax.Array, k: jax.Array, k_max: int, parts) -> jax.Array:
+    return log_normalizer_value(logits, k, parts).astype(logits.dtype)
+
+
+@_log_normalizer.defjvp
+def _log_normalizer_jvp(k_max, primals, tangents):
+    logits, k, parts = primals
+    d_logits = tangents[0]
+    value = _log_normalizer(logits, k, k_max, parts)
+    mu = marginals(logits, k, k_max)
+    return value, (mu * d_logits).sum(-1)
+
+
+@partial(jax.jit, static_argnames="k_max")
+def log_normalizer(
+    logits: jax.Array, k: jax.Array, k_max: int, parts: NormalizerParts | None = None
+) -> jax.Array:
+    """log e_k(exp logits), shape ``batch``; its derivative is ``marginals`` (differentiable
+    again, without NaN at ``-inf`` logits). ``parts``: from ``normalizer_parts``, if the
+    caller has them already."""
+    k = jnp.broadcast_to(jnp.asarray(k), logits.shape[:-1])
+    if parts is None:
+        parts = normalizer_parts(logits, k, k_max)
+    return _log_normalizer(logits, k, k_max, parts)
+
+
+@partial(jax.jit, static_argnames="k_max")
+def marginals(logits: jax.Array, k: jax.Array, k_max: int) -> jax.Array:
+    """mu_i = P(z_i = 1 | sum z = k) = d log e_k(exp logits) / d logits_i, shape
+    ``batch + (n,)``; differentiable again."""
+    if k_max == 0:
+        return jnp.zeros_like(logits)
+    flat_k, _, weights, root, levels, _ = _prepare(logits, jnp.asarray(k), k_max)
+    return _marginals_from(flat_k, weights, root, levels).reshape(logits.shape)
+
+
+@partial(jax.jit, static_argnames="k_max")
+def marginals_and_complements(
+    logits: jax.Array, k: jax.Array, k_max: int
+) -> tuple[jax.Array, jax.Array]:
+    """(``marginals``, ``1 - marginals`` without rounding: from the leaves' off-weights, no
+    gradient), so that a marginal near 1 keeps the relative precision of its complement."""
+    if k_max == 0:
+        return jnp.zeros_like(logits), jnp.ones_like(logits)
+    flat_k, _, weights, root, levels, _ = _prepare(logits, jnp.asarray(k), k_max)
+    mu, complement = _marginals_from(flat_k, weights, root, levels, with_complements=True)
+    return mu.reshape(logits.shape), complement.reshape(logits.shape)
+
+
+def _draw(key: jax.Array, root_k: jax.Array, levels, num_samples: int) -> jax.Array:
+    """Counts of ones per leaf, (num_samples, batch, n), top-down from root counts (batch,)."""
+    counts = jnp.broadcast_to(root_k, (num_samples,) + root_k.shape)[..., None]
+    # One uniform per split, drawn at once: a random call per level multiplies compile time.
+    num_splits = sum(left.shape[1] for left, _, _ in levels)
+    dtype = levels[0][0].dtype if levels else jnp.float32
+    uniforms = jax.random.uniform(key, counts.shape[:-1] + (num_splits,), dtype=dtype)
+    used = 0
+    for left, right, padded in reversed(levels):
+        w_left, w_right = left.shape[-1], right.shape[-1]
+        rest = counts[..., None] - jnp.arange(w_left, dtype=counts.dtype)  # right's share
+        possible = (rest >= 0) & (rest < w_right)
+        right_at_rest = jnp.take_along_axis(
+            jnp.broadcast_to(right, (num_samples,) + right.shape),
+            jnp.clip(rest, 0, w_right - 1),
+            axis=-1,
+        )
+        weight = jnp.where(possible, left * right_at_rest, 0.0)
+        cumulative = jnp.cumsum(weight, axis=-1)
+        uniform = uniforms[..., used : used + counts.shape[-1], None]
+        used += counts.shape[-1]
+        ones_left = (cumulative <= uniform * cumulative[..., -1:]).sum(-1, dtype=counts.dtype)
+        # Rounding can put u * total at the total: never pick a split of weight zero.
+        last_possible = w_left - 1 - jnp.argmax(jnp.flip(weight > 0, -1), axis=-1)
+        ones_left = jnp.minimum(ones_left, last_possible.astype(counts.dtype))
+        counts = jnp.stack([ones_left, counts - ones_left], axis=-1)
+        counts = counts.reshape(counts.shape[:-2] + (-1,))
+        if padded:
+            counts = counts[..., :-1]
+    return counts
+
+
+def _sample_and_maybe_marginals(key, logits, k, k_max, sample_shape, with_marginals):
+    sample_shape = tuple(sample_shape)
+    out_shape = sample_shape + logits.shape
+    if k_max == 0:
+        return jnp.zeros(out_shape, logits.dtype), jnp.zeros_like(logits)
+    num_samples = 1
+    for size in sample_shape:
+        num_samples *= size
+    flat_k, _, weights, root, levels, _ = _prepare(logits, jnp.asarray(k), k_max)
+    detached = [(lax.stop_gradient(a), lax.stop_gradient(b), p) for a, b, p in levels]
+    counts = _draw(key, flat_k, detached, num_samples)
+    z = counts.astype(logits.dtype).reshape(out_shape)
+    mu = None
+    if with_marginals:
+        mu = _marginals_from(flat_k, weights, root, levels).reshape(logits.shape)
+    return z, mu
+
+
+@partial(jax.jit, static_argnames=("k_max", "sample_shape"))
+def sample(
+    key: jax.Array, logits: jax.Array, k: jax.Array, k_max: int, sample_shape: tuple = ()
+) -> jax.Array:
+    """Exact draws, shape ``sample_shape + batch + (n,)``, entries 0.0 / 1.0 summing to k.
+    No gradient."""
+    logits = lax.stop_gradient(logits)
+    return _sample_and_maybe_marginals(key, logits, k, k_max, sample_shape, False)[0]
+
+
+@partial(jax.jit, static_argnames=("k_max", "sample_shape"))
+def sample_and_marginals(
+    key: jax.Array, logits: jax.Array, k: jax.Array, k_max: int, sample_shape: tuple = ()
+) -> tuple[jax.Array, jax.Array]:
+    """(sample(...), marginals(...)) from one upward pass (for the straight-through sample)."""
+    return _sample_and_maybe_marginals(key, logits, k, k_max, sample_shape, True)

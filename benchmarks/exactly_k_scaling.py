@@ -1,0 +1,263 @@
+"""Scaling of the exactly-k kernels in n and k: ``python -m benchmarks.exactly_k --scaling``.
+
+For n from 1e3 up (``--max-n``, default 1e7) and k in {10, n/20, n/2}, batch 1, torch and
+JAX, float32 and float64, one table per package and dtype:
+
+* the library's ``marginals`` (upward + downward pass: the forward and backward pass of the
+  log normaliser) and ``sample`` (one draw), best of ``--repeats`` runs after a warm-up;
+* the previous kernels (``benchmarks/exactly_k_previous_*.py``, main before the FFT path)
+  on the same inputs in the same run, and the ratio previous / new (above 1: new is faster),
+  where the previous kernels take at most ``--previous-limit`` (n k) multiply-adds;
+* peak memory of ``marginals``: torch, the growth of the peak resident set (VmHWM, reset
+  first) of a forked child that runs it once; JAX, XLA's own accounting of the compiled
+  function (arguments, outputs and temporaries, ``memory_analysis``);
+* the log-log slope of time against n at k = n/2 (least squares over n = 1e4..1e6).
+
+Then JAX compile times: the first call (trace + compile + run) and the compile alone of
+``jit(log_prob)`` and ``jit(sample)`` of ``ExactlyKBernoulli`` at k = n/2, new kernels and
+previous ones (the distribution's ``kernels`` module swapped), and the number of
+compilations of eager ``marginals`` calls over 10 sizes n = 1000..1900.
+
+A k series stops growing n once one of its cases took more than ``--stop-after`` seconds,
+and k > 10 stops above ``--max-n-large-k`` (default 1e6; the output says where). Other processes share the machine: compare ratios within one run.
+"""
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from benchmarks import exactly_k_previous_numpyro as previous_jax  # noqa: E402
+from benchmarks import exactly_k_previous_pyro as previous_torch  # noqa: E402
+from numpyro_constrained import exactly_k_bernoulli as numpyro_module  # noqa: E402
+from numpyro_constrained import exactly_k_kernels as jax_kernels  # noqa: E402
+from pyro_constrained import exactly_k_kernels as torch_kernels  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)
+torch.set_num_threads(1)
+
+
+def best_time(function, repeats: int) -> float:
+    """Best wall time of ``repeats`` calls, in seconds, after one warm-up call."""
+    function()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def table_size(n: int, k: int) -> int:
+    """The table size the distributions pass: k rounded up to a power of two, at most n."""
+    return min(n, 1 << k.bit_length())
+
+
+def calls(package: str, kernels, logits: np.ndarray, k: int, dtype):
+    n = logits.shape[-1]
+    k_max = table_size(n, k)
+    if package == "torch":
+        x = torch.tensor(logits, dtype=dtype)
+        ks = torch.full(x.shape[:-1], k)
+        return (
+            lambda: kernels.marginals(x, ks, k_max),
+            lambda: kernels.sample(x, ks, k_max),
+        )
+    x = jnp.asarray(logits, dtype=dtype)
+    ks = jnp.full(x.shape[:-1], k)
+    key = jax.random.PRNGKey(0)
+    return (
+        lambda: jax.block_until_ready(kernels.marginals(x, ks, k_max)),
+        lambda: jax.block_until_ready(kernels.sample(key, x, ks, k_max)),
+    )
+
+
+def torch_peak_bytes(function) -> float:
+    """Growth of the peak resident set while a forked child runs ``function`` once."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: measure and report, then leave without cleanup
+        os.close(read)
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")  # resets the peak resident set (VmHWM) to the current one
+        before = _status_bytes("VmRSS")
+        function()
+        os.write(write, str(max(0, _status_bytes("VmHWM") - before)).encode())
+        os._exit(0)
+    os.close(write)
+    data = b""
+    while chunk := os.read(read, 64):
+        data += chunk
+    os.close(read)
+    os.waitpid(pid, 0)
+    return float(data or b"nan")
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def jax_peak_bytes(logits: np.ndarray, k: int, dtype) -> float:
+    n = logits.shape[-1]
+    x = jnp.asarray(logits, dtype=dtype)
+    ks = jnp.full(x.shape[:-1], k)
+    function = jax.jit(lambda x, ks: jax_kernels.marginals(x, ks, table_size(n, k)))
+    analysis = function.lower(x, ks).compile().memory_analysis()
+    if analysis is None:
+        return float("nan")
+    return float(
+        analysis.argument_size_in_bytes
+        + analysis.output_size_in_bytes
+        + analysis.temp_size_in_bytes
+    )
+
+
+def slope(points: list[tuple[int, float]]) -> float:
+    chosen = [(n, t) for n, t in points if 1e4 <= n <= 1e6]
+    if len(chosen) < 2:
+        return float("nan")
+    log_n, log_t = np.log([n for n, _ in chosen]), np.log([t for _, t in chosen])
+    return float(np.polyfit(log_n, log_t, 1)[0])
+
+
+def scaling_tables(args) -> None:
+    rng = np.random.default_rng(0)
+    sizes = [n for n in (1000, 10000, 100000, 1000000, 10000000) if n <= args.max_n]
+    for package in args.packages.split(","):
+        previous = previous_torch if package == "torch" else previous_jax
+        new = torch_kernels if package == "torch" else jax_kernels
+        for dtype_name in args.dtypes.split(","):
+            dtype = getattr(torch if package == "torch" else jnp, dtype_name)
+            print(f"### {package}, {dtype_name} (batch 1, seconds)\n")
+            print(
+                "| n | k | marginals | previous | previous / new | sample | previous "
+                "| previous / new | peak memory (marginals) | sample / marginals |"
+            )
+            print("|" + "---|" * 10)
+            half_points = []
+            stopped = {}
+            for n in sizes:
+                logits = rng.normal(0.0, 2.0, size=(1, n))
+                for fraction, k in (("10", 10), ("n/20", n // 20), ("n/2", n // 2)):
+                    if fraction in stopped or (fraction != "10" and k <= 10):
+                        continue
+                    if fraction != "10" and n > args.max_n_large_k:
+                        stopped.setdefault(fraction, sizes[sizes.index(n) - 1])
+                        continue
+                    marginals, sample = calls(package, new, logits, k, dtype)
+                    t_mu = best_time(marginals, args.repeats)
+                    t_z = best_time(sample, args.repeats)
+                    old = ["-", "-", "-", "-"]
+                    if n * k <= args.previous_limit:
+                        old_mu, old_z = calls(package, previous, logits, k, dtype)
+                        p_mu = best_time(old_mu, args.repeats)
+                        p_z = best_time(old_z, args.repeats)
+                        old = [f"{p_mu:.3g}", f"{p_mu / t_mu:.1f}x"]
+                        old += [f"{p_z:.3g}", f"{p_z / t_z:.1f}x"]
+                    if package == "torch":
+                        memory = torch_peak_bytes(marginals)
+                    else:
+                        memory = jax_peak_bytes(logits, k, dtype)
+                    print(
+                        f"| {n:.0e} | {k} | {t_mu:.3g} | {old[0]} | {old[1]} | {t_z:.3g} "
+                        f"| {old[2]} | {old[3]} | {memory / 2**20:.0f} MiB | {t_z / t_mu:.2f} |",
+                        flush=True,
+                    )
+                    if fraction == "n/2":
+                        half_points.append((n, t_mu))
+                    if max(t_mu, t_z) > args.stop_after:
+                        stopped[fraction] = n
+            print()
+            print(f"log-log slope of marginals time against n at k = n/2: {slope(half_points):.2f}")
+            if stopped:
+                where = ", ".join(f"k = {f} after n = {n:.0e}" for f, n in stopped.items())
+                print(f"stopped (time or --max-n-large-k): {where}")
+            print()
+
+
+def compile_tables(args) -> None:
+    rng = np.random.default_rng(1)
+    print("### JAX compile times (ExactlyKBernoulli, k = n/2, seconds)\n")
+    print(
+        "| n | kernels | jit(log_prob): first call | compile | jit(sample): first call | compile |"
+    )
+    print("|---|---|---|---|---|---|")
+    saved = numpyro_module.kernels
+    try:
+        for n in (1000, 10000, 100000):
+            logits = jnp.asarray(rng.normal(0.0, 2.0, size=(n,)))
+            k = n // 2
+            value = jnp.zeros(n).at[:k].set(1.0)
+            for name, kernels in (("new", jax_kernels), ("previous", previous_jax)):
+                numpyro_module.kernels = kernels
+                jax.clear_caches()
+
+                def log_prob(logits, k=k, value=value):
+                    return numpyro_module.ExactlyKBernoulli(logits=logits, k=k).log_prob(value)
+
+                def sample(logits, key, k=k):
+                    return numpyro_module.ExactlyKBernoulli(logits=logits, k=k).sample(key)
+
+                key = jax.random.PRNGKey(0)
+                row = [f"{n:.0e}", name]
+                for function, arguments in ((log_prob, (logits,)), (sample, (logits, key))):
+                    jax.clear_caches()
+                    start = time.perf_counter()
+                    jax.block_until_ready(jax.jit(function)(*arguments))
+                    first = time.perf_counter() - start
+                    jax.clear_caches()
+                    start = time.perf_counter()
+                    jax.jit(function).lower(*arguments).compile()
+                    row += [f"{first:.2f}", f"{time.perf_counter() - start:.2f}"]
+                print("| " + " | ".join(row) + " |", flush=True)
+    finally:
+        numpyro_module.kernels = saved
+    print()
+    print("### Compilations of eager JAX marginals over n = 1000, 1100, ..., 1900 (k = n/2)\n")
+    print("| kernels | compilations | total seconds |")
+    print("|---|---|---|")
+    for name, kernels, jitted in (
+        ("new", jax_kernels, jax_kernels._marginals),
+        ("previous", previous_jax, previous_jax.marginals),
+    ):
+        jax.clear_caches()
+        start = time.perf_counter()
+        for n in range(1000, 2000, 100):
+            x = jnp.asarray(rng.normal(0.0, 2.0, size=(1, n)))
+            k = jnp.asarray([n // 2])
+            jax.block_until_ready(kernels.marginals(x, k, table_size(n, n // 2)))
+        seconds = time.perf_counter() - start
+        print(f"| {name} | {jitted._cache_size()} | {seconds:.1f} |", flush=True)
+    print()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-n", type=float, default=1e7)
+    parser.add_argument("--max-n-large-k", type=float, default=1e6, help="n limit for k > 10")
+    parser.add_argument("--packages", default="torch,jax")
+    parser.add_argument("--dtypes", default="float32,float64")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--previous-limit", type=float, default=1e9)
+    parser.add_argument("--stop-after", type=float, default=20.0)
+    parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--only-compile", action="store_true")
+    args = parser.parse_args(argv)
+    if not args.only_compile:
+        scaling_tables(args)
+    if not args.no_compile:
+        compile_tables(args)
+
+
+if __name__ == "__main__":
+    main()
