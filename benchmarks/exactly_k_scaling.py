@@ -19,7 +19,8 @@ previous ones (the distribution's ``kernels`` module swapped), and the number of
 compilations of eager ``marginals`` calls over 10 sizes n = 1000..1900.
 
 A k series stops growing n once one of its cases took more than ``--stop-after`` seconds,
-and k > 10 stops above ``--max-n-large-k`` (default 1e6; the output says where). Other processes share the machine: compare ratios within one run.
+and k > 10 stops above ``--max-n-large-k`` (default 1e6; the output says where). Other
+processes share the machine: compare ratios within one run.
 """
 
 import argparse
