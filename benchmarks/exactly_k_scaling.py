@@ -24,6 +24,7 @@ processes share the machine: compare ratios within one run.
 """
 
 import argparse
+import ctypes
 import os
 import time
 
@@ -85,6 +86,9 @@ def torch_peak_bytes(function) -> float:
     pid = os.fork()
     if pid == 0:  # the child: measure and report, then leave without cleanup
         os.close(read)
+        # Free heap memory kept by malloc (the parent's earlier runs) goes back to the
+        # system first: reused, it would not show as growth.
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
         with open("/proc/self/clear_refs", "w") as clear:
             clear.write("5")  # resets the peak resident set (VmHWM) to the current one
         before = _status_bytes("VmRSS")
