@@ -552,14 +552,25 @@ def _to_bucket(logits, k_max: int):
     if k_max > 0:
         k_max = min(1 << (k_max - 1).bit_length(), size)
     if size > n:
-        logits = jnp.pad(
-            logits, [(0, 0)] * (logits.ndim - 1) + [(0, size - n)], constant_values=-jnp.inf
-        )
+        logits = _pad_to(logits, size)
     return logits, k_max, n
 
 
+# Jitted (one dispatch each, compiled once per pair of sizes): an eager jnp.pad is several
+# dispatched operations, which cost more than the kernels themselves at n = 1000.
+@partial(jax.jit, static_argnums=1)
+def _pad_to(logits: jax.Array, size: int) -> jax.Array:
+    padding = [(0, 0)] * (logits.ndim - 1) + [(0, size - logits.shape[-1])]
+    return jnp.pad(logits, padding, constant_values=-jnp.inf)
+
+
+@partial(jax.jit, static_argnums=1)
+def _cut_to(out: jax.Array, n: int) -> jax.Array:
+    return out[..., :n]
+
+
 def _cut(out: jax.Array, n: int | None) -> jax.Array:
-    return out if n is None or out.shape[-1] == n else out[..., :n]
+    return out if n is None or out.shape[-1] == n else _cut_to(out, n)
 
 
 def normalizer_parts(logits: jax.Array, k: jax.Array, k_max: int) -> NormalizerParts:

@@ -626,7 +626,11 @@ def _use_fft(x: torch.Tensor, k_max: int) -> bool:
     """Whether the wide levels go by FFT: only when some level is at least ``_FFT_WIDTH``
     wide and every row's tilted count variance ``sum_i sigmoid(x_i) sigmoid(-x_i)`` is at
     least ``_FFT_MIN_VARIANCE`` (see "FFT path" in the module docstring)."""
-    widest = min(k_max, 2 ** (x.shape[-1] - 1).bit_length()) + 1
+    if torch.jit.is_tracing():
+        # A trace would bake this data-dependent choice in for every later input, among
+        # them nearly deterministic ones: traced code (the JitTrace*_ELBOs) stays direct.
+        return False
+    widest = min(k_max, 2 ** (int(x.shape[-1]) - 1).bit_length()) + 1
     if widest < _fft_width(x.dtype) or x.shape[0] == 0:
         return False
     with torch.no_grad():
