@@ -17,7 +17,7 @@ The reference DP costs O(n) sequential steps; at n = 10000 it runs once (no repe
 
 ``--scaling [options]`` runs ``benchmarks.exactly_k_scaling`` instead: n up to 1e7, k up to
 n/2, peak memory, log-log slopes and JAX compile times, against the previous kernels
-(``benchmarks/exactly_k_previous_*.py``) in the same run.
+(read from git at the commit before the FFT path, ``--previous``) in the same run.
 """
 
 import argparse

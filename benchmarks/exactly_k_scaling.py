@@ -5,9 +5,10 @@ JAX, float32 and float64, one table per package and dtype:
 
 * the library's ``marginals`` (upward + downward pass: the forward and backward pass of the
   log normaliser) and ``sample`` (one draw), best of ``--repeats`` runs after a warm-up;
-* the previous kernels (``benchmarks/exactly_k_previous_*.py``, main before the FFT path)
-  on the same inputs in the same run, and the ratio previous / new (above 1: new is faster),
-  where the previous kernels take at most ``--previous-limit`` (n k) multiply-adds;
+* the previous kernels, read from git at ``--previous`` (default: the commit before the FFT
+  path, ``PREVIOUS_REVISION``) into temporary modules (``load_previous_kernels``), on the
+  same inputs in the same run, and the ratio previous / new (above 1: new is faster), where
+  the previous kernels take at most ``--previous-limit`` (n k) multiply-adds;
 * peak memory of ``marginals``: torch, the growth of the peak resident set (VmHWM, reset
   first) of a forked child that runs it once; JAX, XLA's own accounting of the compiled
   function (arguments, outputs and temporaries, ``memory_analysis``);
@@ -26,7 +27,10 @@ processes share the machine: compare ratios within one run.
 import argparse
 import ctypes
 import os
+import subprocess
+import sys
 import time
+from types import ModuleType
 
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
 
@@ -35,14 +39,54 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks import exactly_k_previous_numpyro as previous_jax  # noqa: E402
-from benchmarks import exactly_k_previous_pyro as previous_torch  # noqa: E402
 from numpyro_constrained import exactly_k_bernoulli as numpyro_module  # noqa: E402
 from numpyro_constrained import exactly_k_kernels as jax_kernels  # noqa: E402
 from pyro_constrained import exactly_k_kernels as torch_kernels  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 torch.set_num_threads(1)
+
+# main just before the FFT path (the branch point of issue 18's kernels): the kernels the
+# scaling tables compare against.
+PREVIOUS_REVISION = "1c60b785c1e7f3550c20976e1bc64f97aebe894d"
+_KERNEL_PATHS = {
+    "torch": "pyro_constrained/exactly_k_kernels.py",
+    "jax": "numpyro_constrained/exactly_k_kernels.py",
+}
+
+
+def load_previous_kernels(revision: str) -> dict[str, ModuleType]:
+    """The kernel modules of both packages as they were at git ``revision``, loaded from
+    ``git show`` into fresh in-memory modules (they import only torch and JAX).
+    Raises SystemExit with a clear message when git, the repository or the revision is not
+    available (e.g. a source archive without history: pass ``--previous`` a revision that
+    exists, or ``--previous-limit 0`` to skip the comparison)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    modules = {}
+    for package, path in _KERNEL_PATHS.items():
+        try:
+            source = subprocess.run(
+                ["git", "-C", root, "show", f"{revision}:{path}"],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+        except FileNotFoundError:
+            message = "benchmarks: the previous kernels need git, which is not installed"
+            raise SystemExit(message) from None
+        except subprocess.CalledProcessError as error:
+            raise SystemExit(
+                f"benchmarks: cannot read {path} at revision {revision!r} with git "
+                f"({error.stderr.strip()}); pass --previous REV with a revision of this "
+                "repository, or --previous-limit 0 to skip the previous kernels"
+            ) from None
+        name = f"exactly_k_previous_{package}"
+        module = ModuleType(name)
+        module.__file__ = f"{revision}:{path}"
+        sys.modules[name] = module  # NamedTuple and pickling look their module up
+        exec(compile(source, module.__file__, "exec"), module.__dict__)
+        modules[package] = module
+    return modules
 
 
 def best_time(function, repeats: int) -> float:
@@ -135,11 +179,11 @@ def slope(points: list[tuple[int, float]]) -> float:
     return float(np.polyfit(log_n, log_t, 1)[0])
 
 
-def scaling_tables(args) -> None:
+def scaling_tables(args, previous_kernels) -> None:
     rng = np.random.default_rng(0)
     sizes = [n for n in (1000, 10000, 100000, 1000000, 10000000) if n <= args.max_n]
     for package in args.packages.split(","):
-        previous = previous_torch if package == "torch" else previous_jax
+        previous = previous_kernels.get(package)
         new = torch_kernels if package == "torch" else jax_kernels
         for dtype_name in args.dtypes.split(","):
             dtype = getattr(torch if package == "torch" else jnp, dtype_name)
@@ -163,7 +207,7 @@ def scaling_tables(args) -> None:
                     t_mu = best_time(marginals, args.repeats)
                     t_z = best_time(sample, args.repeats)
                     old = ["-", "-", "-", "-"]
-                    if n * k <= args.previous_limit:
+                    if previous is not None and n * k <= args.previous_limit:
                         old_mu, old_z = calls(package, previous, logits, k, dtype)
                         p_mu = best_time(old_mu, args.repeats)
                         p_z = best_time(old_z, args.repeats)
@@ -190,8 +234,10 @@ def scaling_tables(args) -> None:
             print()
 
 
-def compile_tables(args) -> None:
+def compile_tables(args, previous_kernels) -> None:
     rng = np.random.default_rng(1)
+    previous_jax = previous_kernels.get("jax")
+    versions = [("new", jax_kernels)] + ([("previous", previous_jax)] if previous_jax else [])
     print("### JAX compile times (ExactlyKBernoulli, k = n/2, seconds)\n")
     print(
         "| n | kernels | jit(log_prob): first call | compile | jit(sample): first call | compile |"
@@ -203,7 +249,7 @@ def compile_tables(args) -> None:
             logits = jnp.asarray(rng.normal(0.0, 2.0, size=(n,)))
             k = n // 2
             value = jnp.zeros(n).at[:k].set(1.0)
-            for name, kernels in (("new", jax_kernels), ("previous", previous_jax)):
+            for name, kernels in versions:
                 numpyro_module.kernels = kernels
                 jax.clear_caches()
 
@@ -231,10 +277,8 @@ def compile_tables(args) -> None:
     print("### Compilations of eager JAX marginals over n = 1000, 1100, ..., 1900 (k = n/2)\n")
     print("| kernels | compilations | total seconds |")
     print("|---|---|---|")
-    for name, kernels, jitted in (
-        ("new", jax_kernels, jax_kernels._marginals),
-        ("previous", previous_jax, previous_jax.marginals),
-    ):
+    for name, kernels in versions:
+        jitted = kernels._marginals if name == "new" else kernels.marginals
         jax.clear_caches()
         start = time.perf_counter()
         for n in range(1000, 2000, 100):
@@ -253,15 +297,26 @@ def main(argv=None) -> None:
     parser.add_argument("--packages", default="torch,jax")
     parser.add_argument("--dtypes", default="float32,float64")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--previous-limit", type=float, default=1e9)
+    parser.add_argument(
+        "--previous",
+        default=PREVIOUS_REVISION,
+        help="git revision of the previous kernels (default: main before the FFT path)",
+    )
+    parser.add_argument(
+        "--previous-limit",
+        type=float,
+        default=1e9,
+        help="largest n k for the previous kernels; 0 skips them (and git)",
+    )
     parser.add_argument("--stop-after", type=float, default=20.0)
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--only-compile", action="store_true")
     args = parser.parse_args(argv)
+    previous_kernels = load_previous_kernels(args.previous) if args.previous_limit > 0 else {}
     if not args.only_compile:
-        scaling_tables(args)
+        scaling_tables(args, previous_kernels)
     if not args.no_compile:
-        compile_tables(args)
+        compile_tables(args, previous_kernels)
 
 
 if __name__ == "__main__":
