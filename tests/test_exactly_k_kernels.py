@@ -7,7 +7,6 @@ with few distinct shapes: each new shape costs a compilation.
 """
 
 import functools
-import time
 from functools import partial
 
 import jax
@@ -387,22 +386,53 @@ def test_fft_path_samples_are_exact_and_match_the_marginals(framework):
     assert np.all(np.abs(frequency - mu) <= 5.0 * standard_error + 2.0 / num_samples)
 
 
-def test_torch_fft_path_cost_does_not_grow_with_k():
-    """Marginals at n = 20000: k = 10000 (FFT levels up to 16385 wide) against k = 1000 (up
-    to 1025). The direct sums take about 10x longer at the larger k; the FFT path stays
-    within a small factor (minimum of three runs, generous bound for a shared machine)."""
+def test_torch_fft_path_cost_does_not_grow_with_k(monkeypatch):
+    """Marginals at n = 20000, k = 10000 (k_max 16384) and k = 1000 (k_max 1024), counted
+    rather than timed: every level whose tables are at least ``_FFT_WIDTH`` wide goes by FFT
+    in both passes, the direct sums see only the narrower levels (the same ones, hence the
+    same work, at both k), and every FFT level holds at most about 2n table entries in as
+    many levels as the tree is deep: O(n log^2 n) work whatever k."""
     logits = torch.tensor(np.random.default_rng(9).normal(0.0, 1.0, size=(1, 20000)))
+    n = logits.shape[-1]
 
-    def seconds(k):
-        k_max = 1 << (k - 1).bit_length()
-        best = np.inf
-        for _ in range(3):
-            start = time.perf_counter()
-            torch_kernels.marginals(logits, torch.tensor([k]), k_max)
-            best = min(best, time.perf_counter() - start)
-        return best
+    def counted(k):
+        levels = []  # (pass, nodes, width of the output tables, by FFT)
+        merge, split = torch_kernels._merge, torch_kernels._outside_of_children
 
-    assert seconds(10000) < 4.0 * seconds(1000)
+        def counted_merge(left, right, width, node_major, bounds=None):
+            nodes = left.shape[1] if node_major else left.shape[2]
+            levels.append(("up", nodes, width, bounds is not None))
+            return merge(left, right, width, node_major, bounds)
+
+        def counted_split(outside, left, right, node_major, bounds=None):
+            nodes, width = left.shape[1:] if node_major else left.shape[:0:-1]
+            levels.append(("down", 2 * nodes, width, bounds is not None))
+            return split(outside, left, right, node_major, bounds)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(torch_kernels, "_merge", counted_merge)
+            patch.setattr(torch_kernels, "_outside_of_children", counted_split)
+            k_max = 1 << (k - 1).bit_length()
+            mu = torch_kernels.marginals(logits, torch.tensor([k]), k_max)
+        assert abs(float(mu.sum()) - k) < 1e-8 * k  # the counted run computed the marginals
+        return levels
+
+    depth = (n - 1).bit_length()
+    direct = []
+    for k in (1000, 10000):
+        levels = counted(k)
+        up, down = levels[:depth], levels[depth:]
+        assert len(down) == depth and {level[0] for level in up} == {"up"}
+        for _, nodes, width, by_fft in up:
+            assert by_fft == (width >= torch_kernels._FFT_WIDTH)
+            if by_fft:
+                assert nodes * width <= 2 * (n + nodes)
+        assert any(by_fft for *_, by_fft in up)
+        # The downward pass splits the same levels from the root down, by FFT where the
+        # upward pass merged by FFT.
+        assert [level[-1] for level in down] == [level[-1] for level in reversed(up)]
+        direct.append(sorted(level for level in levels if not level[-1]))
+    assert direct[0] == direct[1]
 
 
 def test_jax_eager_calls_compile_once_per_size_bucket():
