@@ -78,6 +78,15 @@ directly (sums of positive products: every entry keeps its relative precision). 
 evaluated on the device, so each wide level is a ``lax.cond`` between the two (under
 ``vmap`` a ``cond`` becomes a select and both run).
 
+Compile time is XLA's CPU code generation, about 15-20 ms of CPU per kernel (a fusion, a
+loop body, a conditional branch), and the tree is unrolled in Python because every level
+has a different shape (nodes halve, widths grow): 17 levels at n = 1e5, each a handful of
+kernels per pass, with both branches of every wide level's ``lax.cond`` compiled. The
+sampler therefore draws each split by Gumbel-max (one argmax per level) instead of an
+inverse CDF (a cumulative sum compiles into a tree of about a dozen kernels per level).
+benchmarks/README.md ("JAX compile times") has the numbers and what a loop over levels
+would need.
+
 Compilation: the public functions are thin wrappers around jitted ones (``k_max`` and
 ``sample_shape`` static). On eager calls they pad n with ``-inf`` logits to a size bucket
 (``_bucket``: powers of two, and 1.5 times a power of two above 1024) and round ``k_max`` up
@@ -729,16 +738,26 @@ def _marginals_and_complements(logits, k, k_max: int):
 
 
 def _draw(key: jax.Array, root_k: jax.Array, levels, num_samples: int) -> jax.Array:
-    """Counts of ones per leaf, (num_samples, batch, n), top-down from root counts (batch,)."""
+    """Counts of ones per leaf, (num_samples, batch, n), top-down from root counts (batch,).
+
+    A node holding c ones gives its left child m of them with probability proportional to
+    ``left[m] right[c - m]``, drawn by the Gumbel-max trick: m maximises
+    ``log(left[m] right[c - m]) + G_m`` with independent standard Gumbel ``G_m`` (an exact
+    draw from the categorical distribution; splits of weight zero score ``-inf`` and are
+    never taken). Not the inverse CDF: a cumulative sum over a wide table compiles on XLA's
+    CPU backend into a tree of about a dozen kernels per level, where an argmax is one, and
+    compile time is what limits the JAX kernels (benchmarks/README.md)."""
     counts = jnp.broadcast_to(root_k, (num_samples,) + root_k.shape)[..., None]
-    # One uniform per split, drawn at once: a random call per level multiplies compile time.
-    num_splits = sum(level.left.shape[1] for level in levels)
+    # All Gumbel variables drawn at once: a random call per level multiplies compile time.
+    sizes = [level.left.shape[1] * level.left.shape[2] for level in levels]
     dtype = levels[0].left.dtype if levels else jnp.float32
-    uniforms = jax.random.uniform(key, counts.shape[:-1] + (num_splits,), dtype=dtype)
-    used = 0
-    for level in reversed(levels):
+    gumbels = jax.random.gumbel(key, counts.shape[:-1] + (sum(sizes),), dtype=dtype)
+    end = sum(sizes)
+    for level, size in zip(reversed(levels), reversed(sizes), strict=True):
         left, right, padded = level.left, level.right, level.padded
         w_left, w_right = left.shape[-1], right.shape[-1]
+        noise = gumbels[..., end - size : end].reshape(counts.shape + (w_left,))
+        end -= size
         rest = counts[..., None] - jnp.arange(w_left, dtype=counts.dtype)  # right's share
         possible = (rest >= 0) & (rest < w_right)
         right_at_rest = jnp.take_along_axis(
@@ -746,14 +765,10 @@ def _draw(key: jax.Array, root_k: jax.Array, levels, num_samples: int) -> jax.Ar
             jnp.clip(rest, 0, w_right - 1),
             axis=-1,
         )
+        # Products of two stored entries are normal floats (see _rescale), or zero.
         weight = jnp.where(possible, left * right_at_rest, 0.0)
-        cumulative = jnp.cumsum(weight, axis=-1)
-        uniform = uniforms[..., used : used + counts.shape[-1], None]
-        used += counts.shape[-1]
-        ones_left = (cumulative <= uniform * cumulative[..., -1:]).sum(-1, dtype=counts.dtype)
-        # Rounding can put u * total at the total: never pick a split of weight zero.
-        last_possible = w_left - 1 - jnp.argmax(jnp.flip(weight > 0, -1), axis=-1)
-        ones_left = jnp.minimum(ones_left, last_possible.astype(counts.dtype))
+        score = jnp.where(weight > 0, jnp.log(jnp.where(weight > 0, weight, 1.0)) + noise, -jnp.inf)
+        ones_left = jnp.argmax(score, axis=-1).astype(counts.dtype)
         if level.low is not None:
             # FFT levels: keep the draw among the splits both children can hold (noise
             # could otherwise, with a probability of the order of the noise, lead to a
