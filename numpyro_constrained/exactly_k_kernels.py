@@ -82,8 +82,9 @@ Compile time is XLA's CPU code generation, about 15-20 ms of CPU per kernel (a f
 loop body, a conditional branch), and the tree is unrolled in Python because every level
 has a different shape (nodes halve, widths grow): 17 levels at n = 1e5, each a handful of
 kernels per pass, with both branches of every wide level's ``lax.cond`` compiled. The
-sampler therefore draws each split by Gumbel-max (one argmax per level) instead of an
-inverse CDF (a cumulative sum compiles into a tree of about a dozen kernels per level).
+sampler therefore draws the splits of wide levels by an exponential race (one argmax per
+level) instead of an inverse CDF (a cumulative sum compiles into a tree of about a dozen
+kernels per level).
 benchmarks/README.md ("JAX compile times") has the numbers and what a loop over levels
 would need.
 
@@ -124,6 +125,10 @@ _SHIFTS_PER_STEP = 8
 # benchmarks/README.md).
 _FFT_WIDTH = 129
 _FFT_MIN_VARIANCE = 4.0
+# The sampler splits nodes whose left children are at least this wide by an exponential race
+# (one kernel per level to compile) instead of the inverse CDF (a cumulative sum: a tree of
+# kernels on wide tables), at the cost of one random number per table entry (see _draw).
+_RACE_WIDTH = 65
 # Eager calls pad n with -inf logits (never selected, so nothing changes) to a size bucket
 # and round k_max up to a power of two, so that a loop whose n or k varies compiles once per
 # bucket: sizes up to _SMALLEST_BUCKET share one bucket, powers of two up to
@@ -741,23 +746,27 @@ def _draw(key: jax.Array, root_k: jax.Array, levels, num_samples: int) -> jax.Ar
     """Counts of ones per leaf, (num_samples, batch, n), top-down from root counts (batch,).
 
     A node holding c ones gives its left child m of them with probability proportional to
-    ``left[m] right[c - m]``, drawn by the Gumbel-max trick: m maximises
-    ``log(left[m] right[c - m]) + G_m`` with independent standard Gumbel ``G_m`` (an exact
-    draw from the categorical distribution; splits of weight zero score ``-inf`` and are
-    never taken). Not the inverse CDF: a cumulative sum over a wide table compiles on XLA's
-    CPU backend into a tree of about a dozen kernels per level, where an argmax is one, and
-    compile time is what limits the JAX kernels (benchmarks/README.md)."""
+    ``w_m = left[m] right[c - m]``. Below ``_RACE_WIDTH`` by the inverse CDF (one uniform
+    per split); at wider levels by an exponential race: m maximises ``w_m / E_m`` with
+    independent standard exponential ``E_m`` (an exact draw from the same categorical
+    distribution; splits of weight zero never win). The race needs one random number per
+    entry instead of one per split, but its argmax is one kernel, where a cumulative sum
+    over a wide table compiles on XLA's CPU backend into a tree of about a dozen kernels per
+    level, and compile time is what limits the JAX kernels (benchmarks/README.md)."""
     counts = jnp.broadcast_to(root_k, (num_samples,) + root_k.shape)[..., None]
-    # All Gumbel variables drawn at once: a random call per level multiplies compile time.
-    sizes = [level.left.shape[1] * level.left.shape[2] for level in levels]
+    # All random numbers drawn at once: a random call per level multiplies compile time.
+    sizes = [
+        level.left.shape[1] * (level.left.shape[2] if level.left.shape[2] >= _RACE_WIDTH else 1)
+        for level in levels
+    ]
     dtype = levels[0].left.dtype if levels else jnp.float32
-    gumbels = jax.random.gumbel(key, counts.shape[:-1] + (sum(sizes),), dtype=dtype)
-    end = sum(sizes)
+    uniforms = jax.random.uniform(key, counts.shape[:-1] + (sum(sizes),), dtype=dtype)
+    used = 0
     for level, size in zip(reversed(levels), reversed(sizes), strict=True):
         left, right, padded = level.left, level.right, level.padded
         w_left, w_right = left.shape[-1], right.shape[-1]
-        noise = gumbels[..., end - size : end].reshape(counts.shape + (w_left,))
-        end -= size
+        uniform = uniforms[..., used : used + size]
+        used += size
         rest = counts[..., None] - jnp.arange(w_left, dtype=counts.dtype)  # right's share
         possible = (rest >= 0) & (rest < w_right)
         right_at_rest = jnp.take_along_axis(
@@ -765,10 +774,18 @@ def _draw(key: jax.Array, root_k: jax.Array, levels, num_samples: int) -> jax.Ar
             jnp.clip(rest, 0, w_right - 1),
             axis=-1,
         )
-        # Products of two stored entries are normal floats (see _rescale), or zero.
         weight = jnp.where(possible, left * right_at_rest, 0.0)
-        score = jnp.where(weight > 0, jnp.log(jnp.where(weight > 0, weight, 1.0)) + noise, -jnp.inf)
-        ones_left = jnp.argmax(score, axis=-1).astype(counts.dtype)
+        if w_left >= _RACE_WIDTH:
+            exponential = -jnp.log1p(-uniform.reshape(weight.shape))  # in [0, inf)
+            score = jnp.where(weight > 0, weight / exponential, -1.0)
+            ones_left = jnp.argmax(score, axis=-1).astype(counts.dtype)
+        else:
+            cumulative = jnp.cumsum(weight, axis=-1)
+            threshold = uniform[..., None] * cumulative[..., -1:]
+            ones_left = (cumulative <= threshold).sum(-1, dtype=counts.dtype)
+            # Rounding can put u * total at the total: never pick a split of weight zero.
+            last_possible = w_left - 1 - jnp.argmax(jnp.flip(weight > 0, -1), axis=-1)
+            ones_left = jnp.minimum(ones_left, last_possible.astype(counts.dtype))
         if level.low is not None:
             # FFT levels: keep the draw among the splits both children can hold (noise
             # could otherwise, with a probability of the order of the noise, lead to a
