@@ -89,11 +89,11 @@ benchmarks/README.md ("JAX compile times") has the numbers and what a loop over 
 would need.
 
 Compilation: the public functions are thin wrappers around jitted ones (``k_max`` and
-``sample_shape`` static). On eager calls they pad n with ``-inf`` logits to a size bucket
-(``_bucket``: powers of two, and 1.5 times a power of two above 1024) and round ``k_max`` up
-to a power of two, then cut the outputs back to n, so a loop whose n or k varies compiles
-once per bucket; inside a caller's ``jit``/``grad``/``vmap`` nothing is padded (the caller
-compiles per shape anyway).
+``sample_shape`` static). They pad n with ``-inf`` logits to a size bucket (``_bucket``:
+powers of two, and 1.5 times a power of two above 1024) and round ``k_max`` up to a power of
+two, then cut the outputs back to n, so an eager loop whose n or k varies compiles once per
+bucket. They do the same inside a caller's ``jit``/``grad``/``vmap``: the padded tables fix
+the random numbers a sample consumes, so a key draws the same sample eagerly and under jit.
 """
 
 from functools import partial
@@ -102,7 +102,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
-from numpyro.util import not_jax_tracer
 
 _TILT_STEPS = 6
 # A step below this leaves the expected count within about 1e-4 of k (measured; Newton
@@ -552,14 +551,13 @@ def _bucket(size: int) -> int:
 
 
 def _to_bucket(logits, k_max: int):
-    """(logits, k_max, n): for concrete logits, the logits padded with -inf to the bucket of
-    n (variables that are never selected: every quantity of the others is unchanged, and the
-    padded ones get marginal 0 and are cut off again), k_max rounded up to a power of two
-    (a wider truncation changes nothing), and n to cut the outputs back to; traced logits
-    (inside a caller's jit, grad or vmap, which compile once per shape anyway) unchanged,
-    with n = None."""
-    if not not_jax_tracer(logits):
-        return logits, k_max, None
+    """(logits, k_max, n): the logits padded with -inf to the bucket of n (variables that
+    are never selected: every quantity of the others is unchanged, and the padded ones get
+    marginal 0 and are cut off again), k_max rounded up to a power of two (a wider
+    truncation changes nothing), and n to cut the outputs back to. Traced logits (inside a
+    caller's jit, grad or vmap) are padded too: the tables, and so the random numbers a
+    sample consumes, must not depend on whether the caller jitted, or a key would draw
+    different samples eagerly and under jit."""
     logits = jnp.asarray(logits)
     n = logits.shape[-1]
     size = _bucket(n)
