@@ -122,11 +122,23 @@ def _min_norm_point_and_basis(A: jax.Array, k: jax.Array) -> tuple[jax.Array, ja
     return offset, q[..., :, num_rows:]
 
 
-class AffineSubspace(constraints.Constraint):
+class AffineSubspace(constraints._Interval):
     """The affine subspace ``{z in R^n : A z = k}`` with ``A`` of shape (..., a, n), rank a.
 
     A value passes when its residual ``A z - k`` is within rounding error (relative
     tolerance ``sqrt(eps)`` of the value's dtype, see :func:`_on_subspace`).
+
+    Why it derives from NumPyro's interval constraint: this support moves whenever ``A`` or
+    ``k`` depends on another latent variable. NumPyro's MCMC maps its unconstrained draws
+    back to sample sites with the transforms of the initial trace, unless it sees a support
+    that may be dynamic, and it recognises one only as an interval (or lower-bounded)
+    constraint whose bounds are not Python numbers
+    (``numpyro.infer.util._transforms_from_trace``); it then replays the model for every
+    draw. Posing as an interval with array bounds (``-inf``, ``+inf``: the coordinates
+    themselves are unbounded) makes ``MCMC.get_samples()`` exact for such a site instead of
+    silently returning points of the initial subspace. Every other behaviour of the interval
+    class (``__call__``, ``feasible_like``, ``eq``, the pytree, ``biject_to``, whose registry
+    is keyed by the exact class) is overridden here.
     """
 
     is_discrete = False
@@ -135,7 +147,14 @@ class AffineSubspace(constraints.Constraint):
     def __init__(self, A: jax.Array, k: jax.Array):
         self.A = A
         self.k = k
-        super().__init__()
+
+    @property
+    def lower_bound(self) -> jax.Array:
+        return jnp.full(jnp.shape(self.k)[:-1], -jnp.inf)
+
+    @property
+    def upper_bound(self) -> jax.Array:
+        return jnp.full(jnp.shape(self.k)[:-1], jnp.inf)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return _on_subspace(x, self.A, self.k)
