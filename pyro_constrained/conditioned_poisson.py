@@ -550,12 +550,13 @@ class ConditionedPoisson(TorchDistribution):
         n = self.event_shape[0]
         p = log_p.exp()
         # A hair below k p, so that rounding never starts above a mode.
-        start = torch.floor(k[..., None].double() * p * (1 - 1e-12)).clamp(min=0)
+        start = torch.floor(k[..., None].double() * p * (1 - 8 * torch.finfo(p.dtype).eps))
+        start = start.clamp(min=0)
         start = torch.minimum(start, k[..., None].double())
         remaining = k.double() - start.sum(-1)
         counts = start
         index = torch.arange(n, device=counts.device)
-        for _ in range(n + 1):
+        while bool((remaining > 0).any()):
             gain = log_p - torch.log1p(counts)
             best = torch.argmax(gain, dim=-1)  # the first maximum: ties to the lower index
             add = (remaining > 0).to(counts.dtype)
