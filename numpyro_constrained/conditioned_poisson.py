@@ -32,6 +32,7 @@ from constrained_ppl_common.exact_integers import (
     check_total_in_exact_range,
     largest_exact_integer,
 )
+from numpyro_constrained.exactly_k_bernoulli import refuse_scalar_coordinate_consumers
 from numpyro_constrained.validation import as_concrete_where_possible, warn_if_out_of_support
 
 __all__ = ["ConditionedPoisson", "integer_composition", "positive_finite"]
@@ -624,6 +625,7 @@ class ConditionedPoisson(Distribution):
         ``ValueError``). ``count = C(k + n - 1, n - 1)`` is computed before anything is
         built; above ``max_support`` it is a ``ValueError``."""
         name = type(self).__name__
+        refuse_scalar_coordinate_consumers(name)
         with jax.ensure_compile_time_eval():
             if not not_jax_tracer(self.k):
                 raise ValueError(

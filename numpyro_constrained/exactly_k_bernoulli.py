@@ -7,6 +7,7 @@ logits, validation, shapes and the framework's protocols (pytree, ``vmap_over``,
 
 import itertools
 import math
+import sys
 from functools import partial
 from typing import NamedTuple
 
@@ -321,6 +322,7 @@ class ExactlyKBernoulli(Distribution):
         ``count = C(n_free, k - n_on)`` is computed before anything is built; above
         ``max_support`` it is a ``ValueError``."""
         name = type(self).__name__
+        refuse_scalar_coordinate_consumers(name)
         n = self.event_shape[0]
         with jax.ensure_compile_time_eval():
             k_all, logits = self.k, self.logits
@@ -497,6 +499,51 @@ def _kl_exactly_k_bernoulli(p: ExactlyKBernoulli, q: ExactlyKBernoulli) -> jax.A
 # every JAX operation compiles once per shape, and one compilation for a dozen operations
 # is about ten times cheaper. The kernels stay separate calls so that their (larger)
 # compilations are shared between the methods.
+
+
+# NumPyro's consumers of enumerate_support that treat a site as independent scalar
+# coordinates, each taking the values 0 .. size - 1 (numpyro 0.22): DiscreteHMCGibbs and
+# MixedHMC size their one-coordinate-at-a-time proposals with
+# numpyro.infer.gibbs.discrete_support_sizes, and numpyro.contrib.funsor's enum messenger
+# replaces the value by the index arange(size). Neither can represent a k-hot vector or a
+# composition: Gibbs proposals leave the support and are all rejected (the chain silently
+# never moves), and funsor passes indices of the wrong shape to log_prob.
+_GIBBS = (
+    "DiscreteHMCGibbs / MixedHMC propose one scalar coordinate at a time (values 0 .. "
+    "size - 1), which cannot keep it in its support: every proposal would be rejected "
+    "and the chain would silently never move"
+)
+_FUNSOR = (
+    "numpyro.contrib.funsor's enumeration (config_enumerate with TraceEnum_ELBO, "
+    "infer_discrete, or NUTS/HMC on a model with discrete latents) replaces a site's value "
+    "by the index 0 .. size - 1, which only works for scalar-valued sites"
+)
+_SCALAR_COORDINATE_CONSUMERS = {
+    ("numpyro.infer.gibbs", "discrete_support_sizes"): _GIBBS,
+    ("numpyro.infer.hmc_gibbs", "discrete_support_sizes"): _GIBBS,
+    ("numpyro.contrib.funsor.enum_messenger", "process_message"): _FUNSOR,
+}
+
+
+def refuse_scalar_coordinate_consumers(name: str, depth: int = 8) -> None:
+    """A ``ValueError`` when ``enumerate_support`` is called by one of NumPyro's machines
+    that enumerate each scalar coordinate separately (`_SCALAR_COORDINATE_CONSUMERS`),
+    saying what to do instead."""
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        frame = frame.f_back
+        if frame is None:
+            return
+        key = (frame.f_globals.get("__name__"), frame.f_code.co_name)
+        if key in _SCALAR_COORDINATE_CONSUMERS:
+            raise ValueError(
+                f"{name} is an event-shaped discrete site (a k-hot vector or a "
+                f"composition): {_SCALAR_COORDINATE_CONSUMERS[key]}. Enumerate it instead "
+                "through an index: `support = d.enumerate_support()`, "
+                "`i = numpyro.sample(name, dist.Categorical(logits=d.log_prob(support)))`, "
+                "`z = support[i]` (then TraceEnum_ELBO, infer_discrete, DiscreteHMCGibbs and "
+                "NUTS with enumeration all work on `i`; see the README)."
+            )
 
 
 def _k_hot_table(n: int, k: int, forced_on=(), forced_off=()) -> np.ndarray:
