@@ -59,7 +59,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("batch_shape", [(), (3,), (2, 3)])
+@pytest.mark.parametrize("batch_shape", [(), (2, 3)])
 @pytest.mark.parametrize("name,make,reference", CASES, ids=[c[0] for c in CASES])
 def test_enumerate_support(name, make, reference, batch_shape):
     d = make(batch_shape)
@@ -155,17 +155,16 @@ def test_mode_is_a_brute_force_argmax(rate, k):
     mode = d.mode
     assert bool(d.support(mode))
     np.testing.assert_allclose(d.log_prob(mode), best, atol=1e-12, rtol=0)
-    np.testing.assert_array_equal(jax.jit(lambda d: d.mode)(d), mode)
 
 
 def test_mode_random_batched_and_traced_k():
     rate = uniform((50, 4), seed=1)
+    traced_mode = jax.jit(lambda k: ConditionedPoisson(rate, k=k, k_max=20).mode)
     for k in [0, 1, 5, 11]:
         d = ConditionedPoisson(rate, k=k)
         best = d.log_prob(d.enumerate_support()).max(0)
         np.testing.assert_allclose(d.log_prob(d.mode), best, atol=1e-12, rtol=0)
-        traced = jax.jit(lambda k: ConditionedPoisson(rate, k=k, k_max=20).mode)(k)
-        np.testing.assert_array_equal(traced, d.mode)
+        np.testing.assert_array_equal(traced_mode(k), d.mode)
     d = ConditionedPoisson(jnp.array([1.0, 2.0, 4.0]), k=10**6)
     mode = np.asarray(d.mode)
     assert mode.sum() == 10**6
@@ -300,6 +299,7 @@ KERNELS = {
 }
 
 
+@pytest.mark.filterwarnings("ignore:Some algorithms will automatically enumerate")
 @pytest.mark.parametrize("model", [mixed_model, mixed_model_cp], ids=["ekb", "cp"])
 @pytest.mark.parametrize("kernel", list(KERNELS))
 def test_scalar_coordinate_samplers_get_a_clear_error(kernel, model):
