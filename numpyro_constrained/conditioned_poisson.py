@@ -10,6 +10,7 @@ gradient, and the entropy is exact and fast.
 
 from __future__ import annotations
 
+import itertools
 import math
 from functools import partial
 
@@ -31,6 +32,7 @@ from constrained_ppl_common.exact_integers import (
     check_total_in_exact_range,
     largest_exact_integer,
 )
+from numpyro_constrained.exactly_k_bernoulli import refuse_scalar_coordinate_consumers
 from numpyro_constrained.validation import as_concrete_where_possible, warn_if_out_of_support
 
 __all__ = ["ConditionedPoisson", "integer_composition", "positive_finite"]
@@ -417,6 +419,17 @@ def _sample_counts_sequentially(key, log_p, k, *, sample_shape: tuple[int, ...],
     return jnp.moveaxis(counts, 0, -1)
 
 
+def _compositions(n: int, k: int) -> np.ndarray:
+    """All compositions of ``k`` into ``n`` non-negative parts, shape
+    ``(C(k + n - 1, n - 1), n)``, in reverse lexicographic order (stars and bars: the
+    positions of the ``n - 1`` bars among ``k + n - 1`` slots, in lexicographic order)."""
+    rows = []
+    for bars in itertools.combinations(range(k + n - 1), n - 1):
+        edges = (-1,) + bars + (k + n - 1,)
+        rows.append([edges[i + 1] - edges[i] - 1 for i in range(n)])
+    return np.asarray(rows, dtype=np.float64).reshape(-1, n)
+
+
 class ConditionedPoisson(Distribution):
     r"""Independent ``Poisson(rate_i)`` counts conditioned on summing to exactly ``k``.
 
@@ -478,6 +491,9 @@ class ConditionedPoisson(Distribution):
     }
     reparametrized_params = ["rate"]
     pytree_data_fields = ("rate", "k")
+    has_enumerate_support = True
+    #: The largest support that `enumerate_support` builds (a ``ValueError`` beyond it).
+    max_support = 2**16
     # Exactly what the user passed, never derived from k: see the class docstring.
     pytree_aux_fields = ("_k_max",)
 
@@ -599,6 +615,73 @@ class ConditionedPoisson(Distribution):
     def _log_p(self):
         """``log p`` in the accumulation dtype (`_log_probs_only`)."""
         return _log_probs_only(self.rate)
+
+    def enumerate_support(self, expand: bool = True) -> jax.Array:
+        """Every composition of ``k`` into ``n`` non-negative parts once (all have positive
+        probability), shape ``(count,) + batch_shape + (n,)`` (``expand=True``) or
+        ``(count,) + (1,) * len(batch_shape) + (n,)`` (``expand=False``), as NumPyro's
+        ``OneHotCategorical``; in reverse lexicographic order (the first is
+        ``(k, 0, ..., 0)``). Needs one concrete ``k`` over the batch (else a
+        ``ValueError``). ``count = C(k + n - 1, n - 1)`` is computed before anything is
+        built; above ``max_support`` it is a ``ValueError``."""
+        name = type(self).__name__
+        refuse_scalar_coordinate_consumers(name)
+        with jax.ensure_compile_time_eval():
+            if not not_jax_tracer(self.k):
+                raise ValueError(
+                    f"{name}.enumerate_support needs a concrete k (the support's size is "
+                    "static), got a traced one"
+                )
+            values_k = np.unique(np.asarray(self.k))
+        if values_k.size != 1:
+            raise ValueError(
+                f"{name}.enumerate_support needs one k for the whole batch (one support), "
+                f"got k = {values_k.tolist()}; split the site or enumerate each k separately"
+            )
+        k = int(values_k[0])
+        if k < 0:
+            raise ValueError(f"{name}.enumerate_support: k = {k} has an empty support")
+        n = self.event_shape[0]
+        count = math.comb(k + n - 1, n - 1)
+        if count > self.max_support:
+            raise ValueError(
+                f"{name}.enumerate_support: the support has {count} members, more than "
+                f"max_support = {self.max_support}; enumerate only small sites (or raise "
+                "the class attribute max_support)"
+            )
+        values = jnp.asarray(_compositions(n, k), dtype=self.rate.dtype)
+        values = values.reshape((count,) + (1,) * len(self.batch_shape) + self.event_shape)
+        if expand:
+            values = jnp.broadcast_to(values, (count,) + self.batch_shape + self.event_shape)
+        return values
+
+    @property
+    def mode(self):
+        """The most likely composition (a multinomial mode), exact: every mode is at least
+        ``floor(k p)`` entrywise (the log-pmf is separable and concave in the counts), so
+        starting there and handing the remaining units one at a time
+        to the count with the largest gain ``log p_i - log(z_i + 1)`` is exact. Ties go to
+        the lower index, so among equally likely compositions the result is deterministic.
+        Works under ``jit``; NaN where ``k`` is out of range."""
+        log_p = self._log_p()
+        n = self.event_shape[0]
+        k = jnp.maximum(jnp.asarray(self.k, log_p.dtype), 0)
+        p = jnp.exp(log_p)
+        # A hair below k p, so that rounding never starts above a mode.
+        shrink = 1 - 8 * jnp.finfo(p.dtype).eps
+        start = jnp.clip(jnp.floor(k[..., None] * p * shrink), 0, k[..., None])
+        remaining = k - start.sum(-1)
+        index = jnp.arange(n)
+
+        def step(carry):
+            counts, remaining = carry
+            best = jnp.argmax(log_p - jnp.log1p(counts), axis=-1)  # ties: the lower index
+            add = (remaining > 0).astype(counts.dtype)
+            counts = counts + add[..., None] * (index == best[..., None]).astype(counts.dtype)
+            return counts, remaining - add
+
+        counts, _ = lax.while_loop(lambda c: jnp.any(c[1] > 0), step, (start, remaining))
+        return self._mask_out_of_range_k(counts.astype(self.rate.dtype), jnp.nan, event=True)
 
     @property
     def probs(self):

@@ -5,6 +5,9 @@ The numerical work (log normaliser, marginals, exact sampling) lives in
 logits, validation, shapes and the framework's protocols (pytree, ``vmap_over``, KL).
 """
 
+import itertools
+import math
+import sys
 from functools import partial
 from typing import NamedTuple
 
@@ -155,6 +158,9 @@ class ExactlyKBernoulli(Distribution):
     # a count, has no gradient; the samples still carry the straight-through gradient, so
     # ELBOs must treat the site as reparameterised (not switch to score functions).
     has_rsample = True
+    has_enumerate_support = True
+    #: The largest support that `enumerate_support` builds (a ``ValueError`` beyond it).
+    max_support = 2**16
     # All three are set by __init__, expand and tree_unflatten (probs is always stored, never
     # a lazy cache: Distribution.tree_flatten reads __dict__, so a cache that appears once
     # computed would change the tree structure). k_max is exactly what the caller passed.
@@ -304,6 +310,63 @@ class ExactlyKBernoulli(Distribution):
         ``batch + (n,)``."""
         return Bernoulli(probs=self._marginal_probs, validate_args=False)
 
+    def enumerate_support(self, expand: bool = True) -> jax.Array:
+        """Every k-hot vector of the support once, shape ``(count,) + batch_shape + (n,)``
+        (``expand=True``) or ``(count,) + (1,) * len(batch_shape) + (n,)`` (``expand=False``),
+        as NumPyro's ``OneHotCategorical``; in lexicographic order of the positions of the
+        ones. Needs one concrete ``k`` over the batch (else a ``ValueError``). Variables
+        with infinite logits (probs 0 or 1), when the logits are concrete, are fixed:
+        vectors that violate them have probability 0 and are left out, so they must be the
+        same over the batch (else a ``ValueError``); with traced logits every k-hot vector
+        is listed and the impossible ones get ``-inf`` log-probabilities.
+        ``count = C(n_free, k - n_on)`` is computed before anything is built; above
+        ``max_support`` it is a ``ValueError``."""
+        name = type(self).__name__
+        refuse_scalar_coordinate_consumers(name)
+        n = self.event_shape[0]
+        with jax.ensure_compile_time_eval():
+            k_all, logits = self.k, self.logits
+            if not not_jax_tracer(k_all):
+                raise ValueError(
+                    f"{name}.enumerate_support needs a concrete k (the support's size is "
+                    "static), got a traced one"
+                )
+            values_k = np.unique(np.asarray(k_all))
+            if values_k.size != 1:
+                raise ValueError(
+                    f"{name}.enumerate_support needs one k for the whole batch (one "
+                    f"support), got k = {values_k.tolist()}; split the site or enumerate "
+                    "each k separately"
+                )
+            k = int(values_k[0])
+            forced_on, forced_off = [], []
+            if not_jax_tracer(logits):
+                flat = np.asarray(logits).reshape(-1, n)
+                on, off = flat == np.inf, flat == -np.inf
+                if flat.shape[0] and ((on != on[:1]).any() or (off != off[:1]).any()):
+                    raise ValueError(
+                        f"{name}.enumerate_support needs the infinite logits (probs 0 or 1) "
+                        "to be the same over the batch (one support)"
+                    )
+                if flat.shape[0]:
+                    forced_on = np.flatnonzero(on[0]).tolist()
+                    forced_off = np.flatnonzero(off[0]).tolist()
+        free = n - len(forced_on) - len(forced_off)
+        rest = k - len(forced_on)
+        count = math.comb(free, rest) if 0 <= rest <= free else 0
+        if count > self.max_support:
+            raise ValueError(
+                f"{name}.enumerate_support: the support has {count} members, more than "
+                f"max_support = {self.max_support}; enumerate only small sites (or raise "
+                "the class attribute max_support)"
+            )
+        table = _k_hot_table(n, k, forced_on, forced_off)
+        values = jnp.asarray(table, dtype=jnp.result_type(self.logits.dtype))
+        values = values.reshape((count,) + (1,) * len(self.batch_shape) + self.event_shape)
+        if expand:
+            values = jnp.broadcast_to(values, (count,) + self.batch_shape + self.event_shape)
+        return values
+
     @property
     def mode(self) -> jax.Array:
         """The most likely k-hot vector: ones at the k largest logits (ties go to the lower
@@ -436,6 +499,69 @@ def _kl_exactly_k_bernoulli(p: ExactlyKBernoulli, q: ExactlyKBernoulli) -> jax.A
 # every JAX operation compiles once per shape, and one compilation for a dozen operations
 # is about ten times cheaper. The kernels stay separate calls so that their (larger)
 # compilations are shared between the methods.
+
+
+# NumPyro's consumers of enumerate_support that treat a site as independent scalar
+# coordinates, each taking the values 0 .. size - 1 (numpyro 0.22): DiscreteHMCGibbs and
+# MixedHMC size their one-coordinate-at-a-time proposals with
+# numpyro.infer.gibbs.discrete_support_sizes, and numpyro.contrib.funsor's enum messenger
+# replaces the value by the index arange(size). Neither can represent a k-hot vector or a
+# composition: Gibbs proposals leave the support and are all rejected (the chain silently
+# never moves), and funsor passes indices of the wrong shape to log_prob.
+_GIBBS = (
+    "DiscreteHMCGibbs / MixedHMC propose one scalar coordinate at a time (values 0 .. "
+    "size - 1), which cannot keep it in its support: every proposal would be rejected "
+    "and the chain would silently never move"
+)
+_FUNSOR = (
+    "numpyro.contrib.funsor's enumeration (config_enumerate with TraceEnum_ELBO, "
+    "infer_discrete, or NUTS/HMC on a model with discrete latents) replaces a site's value "
+    "by the index 0 .. size - 1, which only works for scalar-valued sites"
+)
+_SCALAR_COORDINATE_CONSUMERS = {
+    ("numpyro.infer.gibbs", "discrete_support_sizes"): _GIBBS,
+    ("numpyro.infer.hmc_gibbs", "discrete_support_sizes"): _GIBBS,
+    ("numpyro.contrib.funsor.enum_messenger", "process_message"): _FUNSOR,
+}
+
+
+def refuse_scalar_coordinate_consumers(name: str, depth: int = 8) -> None:
+    """A ``ValueError`` when ``enumerate_support`` is called by one of NumPyro's machines
+    that enumerate each scalar coordinate separately (`_SCALAR_COORDINATE_CONSUMERS`),
+    saying what to do instead."""
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        frame = frame.f_back
+        if frame is None:
+            return
+        key = (frame.f_globals.get("__name__"), frame.f_code.co_name)
+        if key in _SCALAR_COORDINATE_CONSUMERS:
+            raise ValueError(
+                f"{name} is an event-shaped discrete site (a k-hot vector or a "
+                f"composition): {_SCALAR_COORDINATE_CONSUMERS[key]}. Enumerate it instead "
+                "through an index: `support = d.enumerate_support()`, "
+                "`i = numpyro.sample(name, dist.Categorical(logits=d.log_prob(support)))`, "
+                "`z = support[i]` (then TraceEnum_ELBO, infer_discrete, DiscreteHMCGibbs and "
+                "NUTS with enumeration all work on `i`; see the README)."
+            )
+
+
+def _k_hot_table(n: int, k: int, forced_on=(), forced_off=()) -> np.ndarray:
+    """All k-hot 0/1 vectors of length ``n`` with ones at ``forced_on`` and zeros at
+    ``forced_off``, shape ``(count, n)``, in lexicographic order of the positions of their
+    ones."""
+    fixed = set(forced_on) | set(forced_off)
+    free = [i for i in range(n) if i not in fixed]
+    rest = k - len(forced_on)
+    rows = []
+    if 0 <= rest <= len(free):
+        rows = sorted(
+            tuple(sorted(list(forced_on) + list(c))) for c in itertools.combinations(free, rest)
+        )
+    table = np.zeros((len(rows), n))
+    for r, ones in enumerate(rows):
+        table[r, list(ones)] = 1.0
+    return table
 
 
 class _FreeProblem(NamedTuple):

@@ -9,8 +9,10 @@ straight-through marginal-expectation gradient, and the entropy is exact and fas
 
 from __future__ import annotations
 
+import itertools
 import math
 
+import numpy as np
 import torch
 from pyro.distributions import Binomial, TorchDistribution
 from torch.distributions import constraints
@@ -430,6 +432,9 @@ class ConditionedPoisson(TorchDistribution):
         "k": constraints.nonnegative_integer,
     }
     has_rsample = True
+    has_enumerate_support = True
+    #: The largest support that `enumerate_support` builds (a ``ValueError`` beyond it).
+    max_support = 2**16
 
     def __init__(
         self,
@@ -498,6 +503,67 @@ class ConditionedPoisson(TorchDistribution):
     def probs(self) -> torch.Tensor:
         """``p = rate / sum(rate)``, the multinomial probabilities."""
         return _probs_only(self.rate).to(self.rate.dtype)
+
+    def enumerate_support(self, expand: bool = True) -> torch.Tensor:
+        """Every composition of ``k`` into ``n`` non-negative parts once (all have positive
+        probability), shape ``(count,) + batch_shape + (n,)`` (``expand=True``) or
+        ``(count,) + (1,) * len(batch_shape) + (n,)`` (``expand=False``), as
+        ``torch.distributions.OneHotCategorical``; in reverse lexicographic order (the
+        first is ``(k, 0, ..., 0)``). Needs one ``k`` over the batch (else a
+        ``ValueError``). ``count = C(k + n - 1, n - 1)`` is computed before anything is
+        built; above ``max_support`` it is a ``ValueError``."""
+        name = type(self).__name__
+        values_k = torch.unique(self.k)
+        if values_k.numel() != 1:
+            raise ValueError(
+                f"{name}.enumerate_support needs one k for the whole batch (one support), "
+                f"got k = {values_k.tolist()}; split the site or enumerate each k separately"
+            )
+        k = int(values_k.item())
+        if k < 0:
+            raise ValueError(f"{name}.enumerate_support: k = {k} has an empty support")
+        n = self.event_shape[0]
+        count = math.comb(k + n - 1, n - 1)
+        if count > self.max_support:
+            raise ValueError(
+                f"{name}.enumerate_support: the support has {count} members, more than "
+                f"max_support = {self.max_support}; enumerate only small sites (or raise "
+                "the class attribute max_support)"
+            )
+        table = _compositions(n, k)
+        values = torch.as_tensor(table, dtype=self.rate.dtype, device=self.rate.device)
+        values = values.reshape((count,) + (1,) * len(self.batch_shape) + self.event_shape)
+        if expand:
+            values = values.expand((count,) + self.batch_shape + self.event_shape)
+        return values
+
+    @property
+    def mode(self) -> torch.Tensor:
+        """The most likely composition (a multinomial mode), exact: every mode is at least
+        ``floor(k p)`` entrywise (the log-pmf is separable and concave in the counts), so
+        starting there and handing the remaining units one at a time to the count with the
+        largest gain ``log p_i - log(z_i + 1)`` is exact. Ties go to the lower index, so
+        among equally likely compositions the result is deterministic. NaN where
+        ``k < 0`` (validation off)."""
+        log_p = self._log_p()
+        k = self._k_long
+        n = self.event_shape[0]
+        p = log_p.exp()
+        # A hair below k p, so that rounding never starts above a mode.
+        start = torch.floor(k[..., None].double() * p * (1 - 8 * torch.finfo(p.dtype).eps))
+        start = start.clamp(min=0)
+        start = torch.minimum(start, k[..., None].double())
+        remaining = k.double() - start.sum(-1)
+        counts = start
+        index = torch.arange(n, device=counts.device)
+        while bool((remaining > 0).any()):
+            gain = log_p - torch.log1p(counts)
+            best = torch.argmax(gain, dim=-1)  # the first maximum: ties to the lower index
+            add = (remaining > 0).to(counts.dtype)
+            counts = counts + add[..., None] * (index == best[..., None]).to(counts.dtype)
+            remaining = remaining - add
+        counts = counts.to(self.rate.dtype)
+        return torch.where(self._k_is_negative[..., None], math.nan, counts)
 
     @property
     def _k_max(self) -> int:
@@ -627,6 +693,17 @@ class ConditionedPoisson(TorchDistribution):
             log_factorials = log_c_factorial.sum(-1) - torch.lgamma(k + 1)
             entropy = (log_factorials + (correction.sum(-1) - cross_entropy)).to(dtype)
         return entropy.masked_fill(self._k_is_negative, math.nan)
+
+
+def _compositions(n: int, k: int) -> np.ndarray:
+    """All compositions of ``k`` into ``n`` non-negative parts, shape
+    ``(C(k + n - 1, n - 1), n)``, in reverse lexicographic order (stars and bars: the
+    positions of the ``n - 1`` bars among ``k + n - 1`` slots, in lexicographic order)."""
+    rows = []
+    for bars in itertools.combinations(range(k + n - 1), n - 1):
+        edges = (-1,) + bars + (k + n - 1,)
+        rows.append([edges[i + 1] - edges[i] - 1 for i in range(n)])
+    return np.asarray(rows, dtype=np.float64).reshape(-1, n)
 
 
 def _check_k_is_exact(k: torch.Tensor, dtype: torch.dtype, k_max: int | None) -> None:

@@ -5,6 +5,10 @@ The numerical work (log normaliser, marginals, exact sampling) lives in
 validation, shapes and the framework's protocols.
 """
 
+import itertools
+import math
+
+import numpy as np
 import torch
 from pyro.distributions import Bernoulli, TorchDistribution
 from torch.distributions import Distribution, constraints
@@ -68,6 +72,45 @@ def _value_with_gradient_of(value: torch.Tensor, formula: torch.Tensor) -> torch
     return value + torch.where(torch.isfinite(formula), difference, 0.0)
 
 
+def _single_count(k: torch.Tensor, what: str) -> int:
+    """The one value of ``k`` over the batch (enumeration needs one support), else a
+    ``ValueError``."""
+    values = torch.unique(k)
+    if values.numel() != 1:
+        raise ValueError(
+            f"{what}.enumerate_support needs one k for the whole batch (one support), got "
+            f"k = {values.tolist()}; split the site or enumerate each k separately"
+        )
+    return int(values.item())
+
+
+def _check_support_size(count: int, max_support: int, what: str) -> None:
+    if count > max_support:
+        raise ValueError(
+            f"{what}.enumerate_support: the support has {count} members, more than "
+            f"max_support = {max_support}; enumerate only small sites (or raise the class "
+            "attribute max_support)"
+        )
+
+
+def _k_hot_table(n: int, k: int, forced_on=(), forced_off=()) -> np.ndarray:
+    """All k-hot 0/1 vectors of length ``n`` with ones at ``forced_on`` and zeros at
+    ``forced_off``, shape ``(count, n)``, in lexicographic order of the positions of their
+    ones."""
+    fixed = set(forced_on) | set(forced_off)
+    free = [i for i in range(n) if i not in fixed]
+    rest = k - len(forced_on)
+    rows = []
+    if 0 <= rest <= len(free):
+        rows = sorted(
+            tuple(sorted(list(forced_on) + list(c))) for c in itertools.combinations(free, rest)
+        )
+    table = np.zeros((len(rows), n))
+    for r, ones in enumerate(rows):
+        table[r, list(ones)] = 1.0
+    return table
+
+
 def _logits_from_probs(probs: torch.Tensor) -> torch.Tensor:
     # Exact 0 and 1 map to -inf and +inf (torch's probs_to_logits clamps them instead).
     return torch.log(probs) - torch.log1p(-probs)
@@ -126,7 +169,9 @@ class ExactlyKBernoulli(TorchDistribution):
         "k": constraints.nonnegative_integer,
     }
     has_rsample = True
-    has_enumerate_support = False
+    has_enumerate_support = True
+    #: The largest support that `enumerate_support` builds (a ``ValueError`` beyond it).
+    max_support = 2**16
 
     def __init__(
         self,
@@ -293,6 +338,41 @@ class ExactlyKBernoulli(TorchDistribution):
         # The inverse permutation (out of place, so that it can be traced by torch.jit).
         ranks = torch.argsort(order, dim=-1)
         return (ranks < self.k[..., None]).to(self.logits.dtype)
+
+    def enumerate_support(self, expand: bool = True) -> torch.Tensor:
+        """Every k-hot vector of the support once, shape ``(count,) + batch_shape + (n,)``
+        (``expand=True``) or ``(count,) + (1,) * len(batch_shape) + (n,)`` (``expand=False``),
+        as ``torch.distributions.OneHotCategorical``; in lexicographic order of the
+        positions of the ones. Needs one ``k`` over the batch. Variables with infinite
+        logits (probs 0 or 1) are fixed: vectors that violate them have probability 0 and
+        are left out, so the infinite logits must be the same over the batch (else a
+        ``ValueError``). ``count = C(n_free, k - n_on)`` is computed before anything is
+        built; above ``max_support`` it is a ``ValueError``."""
+        name = type(self).__name__
+        k = _single_count(self.k, name)
+        n = self.event_shape[0]
+        on = self.logits == torch.inf
+        off = self.logits == -torch.inf
+        flat_on, flat_off = on.reshape(-1, n), off.reshape(-1, n)
+        if flat_on.shape[0] and (
+            (flat_on != flat_on[:1]).any() or (flat_off != flat_off[:1]).any()
+        ):
+            raise ValueError(
+                f"{name}.enumerate_support needs the infinite logits (probs 0 or 1) to be "
+                "the same over the batch (one support)"
+            )
+        forced_on = torch.nonzero(flat_on[0]).flatten().tolist() if flat_on.shape[0] else []
+        forced_off = torch.nonzero(flat_off[0]).flatten().tolist() if flat_on.shape[0] else []
+        free = n - len(forced_on) - len(forced_off)
+        rest = k - len(forced_on)
+        count = math.comb(free, rest) if 0 <= rest <= free else 0
+        _check_support_size(count, self.max_support, name)
+        table = _k_hot_table(n, k, forced_on, forced_off)
+        values = torch.as_tensor(table, dtype=self.logits.dtype, device=self.logits.device)
+        values = values.reshape((count,) + (1,) * len(self.batch_shape) + self.event_shape)
+        if expand:
+            values = values.expand((count,) + self.batch_shape + self.event_shape)
+        return values
 
     def _respects_infinite_logits(self, value: torch.Tensor) -> torch.Tensor:
         """Per event: no 1 where the logit is -inf and no 0 where it is +inf."""
