@@ -462,16 +462,16 @@ class ConditionedPoisson(Distribution):
     log-probabilities and NaN ``mean``, ``variance``, ``entropy`` and samples, never a
     finite number.
 
-    ``k_max``, a static bound on ``k``, is kept exactly as given (None or an int): it is
-    pytree aux data, so that a distribution built with a concrete ``k`` and one built with
-    a traced ``k`` have the same tree structure (a ``lax.scan`` carry, a ``jit`` argument).
-    The size of the tables a call needs is decided when it is called: from ``k``'s values
-    when ``k`` is concrete, else from ``k_max`` (the read-only property ``k_max`` is that
-    bound, or None). A traced ``k`` without ``k_max`` has none: ``sample`` then draws
-    sequential binomials, ``entropy`` raises. A concrete ``k`` above ``k_max`` is a
+    ``k_max``, a static bound on ``k``, is kept exactly as given (None or an int): it is pytree
+    aux data, so that a distribution built with a concrete ``k`` and one built with a traced
+    ``k`` have the same tree structure (a ``lax.scan`` carry, a ``jit`` argument). The size of
+    the tables a call needs is decided when it is called: from ``k``'s values when ``k`` is
+    concrete, else from ``k_max`` (the attribute ``k_max`` is what was passed, as in
+    ``ExactlyKBernoulli`` and in Pyro). A traced ``k`` without ``k_max`` has none: ``sample``
+    then draws sequential binomials, ``entropy`` raises. A concrete ``k`` above ``k_max`` is a
     ``ValueError``; a traced ``k`` above it gives ``-inf`` log-probabilities and NaN moments
-    and samples rather than anything silently wrong. A traced ``k`` beyond the exact
-    integers of ``rate``'s dtype without ``k_max`` cannot be detected.
+    and samples rather than anything silently wrong. A traced ``k`` beyond the exact integers
+    of ``rate``'s dtype without ``k_max`` cannot be detected.
 
     Parameter constraints: ``rate`` has event_dim 1 (its last axis is the event), ``k``
     event_dim 0, which is what ``promote_batch_shape`` (``numpyro.contrib.control_flow.scan``)
@@ -495,7 +495,7 @@ class ConditionedPoisson(Distribution):
     #: The largest support that `enumerate_support` builds (a ``ValueError`` beyond it).
     max_support = 2**16
     # Exactly what the user passed, never derived from k: see the class docstring.
-    pytree_aux_fields = ("_k_max",)
+    pytree_aux_fields = ("k_max",)
 
     def __init__(
         self,
@@ -541,7 +541,7 @@ class ConditionedPoisson(Distribution):
                 ) from error
             self.rate = jnp.broadcast_to(rate, batch_shape + event_shape)
             self.k = jnp.broadcast_to(k, batch_shape)
-        self._k_max = k_max
+        self.k_max = k_max
         super().__init__(batch_shape, event_shape, validate_args=validate_args)
 
     @classmethod
@@ -560,21 +560,20 @@ class ConditionedPoisson(Distribution):
         new = ConditionedPoisson.__new__(ConditionedPoisson)
         new.rate = jnp.broadcast_to(self.rate, batch_shape + self.event_shape)
         new.k = jnp.broadcast_to(self.k, batch_shape)
-        new._k_max = self._k_max
+        new.k_max = self.k_max
         Distribution.__init__(new, batch_shape, self.event_shape, validate_args=False)
         new._validate_args = self._validate_args
         return new
 
-    @property
-    def k_max(self) -> int | None:
+    def _table_bound(self) -> int | None:
         """The static bound on ``k`` that sizes the tables of a call: the largest ``k`` (at
         least 0) when ``k`` is concrete, else the ``k_max`` passed, else None. Worked out
-        when read, never stored, so that the pytree does not depend on whether ``k`` is
+        when called, never stored, so that the pytree does not depend on whether ``k`` is
         concrete."""
         if not_jax_tracer(self.k):
             largest = _largest_finite(np.asarray(self.k))
             return 0 if largest is None else max(largest, 0)
-        return self._k_max
+        return self.k_max
 
     def _k_out_of_range(self):
         """Where ``k`` is no count within the bound (negative, fractional, NaN, or above the
@@ -586,14 +585,14 @@ class ConditionedPoisson(Distribution):
             k_np = np.asarray(k)
             # NaN != NaN flags NaN too.
             bad = (k_np < 0) | (k_np != np.floor(k_np))
-            if self._k_max is not None:
-                bad |= k_np > self._k_max
+            if self.k_max is not None:
+                bad |= k_np > self.k_max
             return jnp.asarray(bad) if bad.any() else None
         bad = k < 0
         if jnp.issubdtype(k.dtype, jnp.floating):
             bad = bad | (k != jnp.floor(k))
-        if self._k_max is not None:
-            bad = bad | (k > self._k_max)
+        if self.k_max is not None:
+            bad = bad | (k > self.k_max)
         return bad
 
     def _mask_out_of_range_k(self, x, fill, *, event: bool):
@@ -741,7 +740,7 @@ class ConditionedPoisson(Distribution):
             dtype = jnp.result_type(self.rate.dtype, value.dtype)
         else:
             dtype = self.rate.dtype
-        k_bound = self.k_max
+        k_bound = self._table_bound()
         total_below_2_to_the_m = (
             k_bound is not None
             and jnp.issubdtype(value.dtype, jnp.floating)
@@ -768,7 +767,7 @@ class ConditionedPoisson(Distribution):
         rate = lax.stop_gradient(self.rate)
         k = lax.stop_gradient(self.k)
         n = rate.shape[-1]
-        k_bound = self.k_max
+        k_bound = self._table_bound()
         if k_bound == 0:
             # Every k is 0 (a larger traced k is out of range, NaN below).
             z = jnp.zeros(sample_shape + rate.shape, dtype)
@@ -798,7 +797,7 @@ class ConditionedPoisson(Distribution):
         Needs a static bound on ``k`` (`k_max`): with a traced ``k``, pass ``k_max``. NaN
         where ``k`` is out of range.
         """
-        k_bound = self.k_max
+        k_bound = self._table_bound()
         if k_bound is None:
             raise ValueError(
                 "ConditionedPoisson.entropy needs a static bound on k: pass k_max= when k is "

@@ -126,10 +126,11 @@ def _binomial_pmf_and_cdf_at(rate, k, target, k_max: int):
 def _(dist: ConditionedPoisson, target) -> jax.Array:
     """``sum_i 2 (k - y_i) p_i Bin(y_i; k, p_i) + (k p_i - y_i)(1 - 2 F(y_i))``, ``F`` the
     Binomial(k, p_i) CDF, for integer targets ``y``."""
-    if dist.k_max is None:
+    k_bound = dist._table_bound()
+    if k_bound is None:
         raise ValueError("the expected L1 loss of ConditionedPoisson needs k_max when k is traced")
     target = jnp.asarray(target, dtype=dist.rate.dtype)
-    loss = _poisson_expected_l1(dist.rate, dist.k, target, k_max=dist.k_max)
+    loss = _poisson_expected_l1(dist.rate, dist.k, target, k_max=k_bound)
     # NaN, not a finite number, where a traced k is negative or fractional.
     return dist._mask_out_of_range_k(loss, jnp.nan, event=False)
 

@@ -734,6 +734,8 @@ def test_k_max(cls_name):
     bound = int(np.max(params["k"]))
     d = build(case)
     bounded = cls(**params, k_max=bound)
+    # One meaning in every class and both packages: the attribute is what was passed.
+    assert d.k_max is None and bounded.k_max == bound
     value = d.sample(key(0))
     np.testing.assert_allclose(bounded.log_prob(value), d.log_prob(value), rtol=1e-6)
     with pytest.raises(ValueError):
