@@ -69,11 +69,18 @@ def _run_script(name: str, *args: str) -> list[dict]:
 
 def test_jax_sharded_batch_matches_single_device():
     report = _run_script("multi_device_jax_check.py", "float64")
+    # Every distribution and output was compared (a report cannot pass by being empty).
     cases = {entry["case"] for entry in report}
-    for name in ("exactly_k", "linear_constrained", "linear_constrained_pathwise"):
+    for name in (
+        "exactly_k",
+        "linear_constrained",
+        "linear_constrained_pathwise",
+        "conditioned_poisson",
+    ):
         for output in ("log_prob", "mean", "marginals", "entropy", "sample"):
             assert f"float64['{name}']['per_example']['{output}']" in cases
-    assert "float64['conditioned_poisson']['weight_gradient']['of_sample_loss']['w']" in cases
+        for loss in ("of_log_prob_loss", "of_sample_loss"):
+            assert f"float64['{name}']['weight_gradient']['{loss}']['w']" in cases
     assert "float64 collectives" in cases
 
 
