@@ -383,10 +383,16 @@ def _sample_counts_categorical(key, rate, k, *, k_max: int, sample_shape: tuple[
     draws = jnp.minimum(draws, n - 1).reshape(rows, num_samples, k_max)
     k_rows = jnp.broadcast_to(k, batch_shape).reshape(rows, 1, 1)
     keep = (jnp.arange(k_max) < k_rows).astype(dtype)
-    row_index = jnp.arange(rows)[:, None, None]
-    sample_index = jnp.arange(num_samples)[None, :, None]
-    counts = jnp.zeros((rows, num_samples, n), dtype)
-    counts = counts.at[row_index, sample_index, draws].add(jnp.broadcast_to(keep, draws.shape))
+    sample_index = jnp.arange(num_samples)[:, None]
+
+    def count(row_draws, row_keep):
+        return jnp.zeros((num_samples, n), dtype).at[sample_index, row_draws].add(row_keep)
+
+    # One scatter per row under vmap, not one scatter with a row index: the vmapped scatter
+    # carries the rows as a batching dimension, so a batch sharded over devices is counted
+    # where it lives; XLA cannot partition a scatter whose row index is data, and made every
+    # device build the whole batch's counts and all-reduce them.
+    counts = jax.vmap(count)(draws, jnp.broadcast_to(keep, draws.shape))
     counts = jnp.where(k_rows > k_max, jnp.nan, counts)
     counts = jnp.moveaxis(counts, 1, 0)
     return counts.reshape(sample_shape + batch_shape + (n,))

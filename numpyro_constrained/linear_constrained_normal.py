@@ -75,14 +75,19 @@ def _on_subspace(value: jax.Array, A: jax.Array, k: jax.Array) -> jax.Array:
 
 
 def _after(value: jax.Array, *earlier: jax.Array) -> jax.Array:
-    """``value``, made to depend on ``earlier`` (NaN if their first entries are NaN).
+    """``value``, a batch of matrices (..., p, q), made to depend on ``earlier``, batches of
+    matrices (..., r, s) whose batch shapes broadcast to that of ``value``: NaN in each
+    batch element where the first entry of that element of some ``earlier`` is NaN.
 
     XLA's CPU runtime runs independent LAPACK calls (QR, triangular solves) at the same
     time, and a batched LAPACK call blocks its thread while it spreads its batch over the
     same thread pool: two of them at once on a small pool deadlock (measured: a (256, 1000)
     scale with a = 10 hung every time on two cores). A data dependency orders them; an
-    optimization barrier does not (its outputs alias its inputs)."""
-    marker = sum(jnp.ravel(array)[0] for array in earlier)
+    optimization barrier does not (its outputs alias its inputs). The dependency is taken
+    per batch element, not on the first entry of the whole array: a batch sharded over
+    devices then depends only on its own shard (the first entry lives on one device, and
+    every other device would wait for it through an all-reduce)."""
+    marker = sum(array[..., :1, :1] for array in earlier)
     return jnp.where(jnp.isnan(marker), jnp.nan, value)
 
 
@@ -314,7 +319,7 @@ def _precompute(
     r_of_a = jnp.linalg.qr(jnp.swapaxes(A, -1, -2), mode="r")
     singular_values = jnp.linalg.svd(r_of_a, compute_uv=False)
     # One LAPACK call at a time (see _after).
-    basis, r_factor = _row_sorted_qr(_after(whitened_t, singular_values))
+    basis, r_factor = _row_sorted_qr(_after(whitened_t, singular_values[..., None]))
     r_factor = _after(r_factor, basis)
     basis_t = jnp.swapaxes(basis, -1, -2)  # Q^T, (..., a, n): orthonormal rows
     # R^{-T} (..., a, a), so that K r = L Q (R^{-T} r) costs one pass over Q. An explicit
