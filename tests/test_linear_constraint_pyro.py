@@ -173,19 +173,19 @@ def test_support_tolerance_accepts_data_to_its_precision_and_matches_scipy(dtype
 def test_float32_mean_samples_bijection_and_projection_satisfy_the_constraint_at_cond_1e6(
     grad_estimator,
 ):
-    A, loc, k = oracle.ill_conditioned(20, 6, 1e6, seed=0)
+    A, loc, k = oracle.ill_conditioned(N, A_ROWS, 1e6, seed=0)
     assert 0.5e6 < np.linalg.cond(A @ A.T) < 2e6  # Sigma = I: cond(A Sigma A^T) = 1e6
     A32, loc32, k32 = (_t(x, torch.float32) for x in (A, loc, k))
     A, k = A32.double().numpy(), k32.double().numpy()  # what the library sees, exactly
     c = LinearConstraint(A32)
-    d = c.normal(loc32, torch.ones(20), k=k32, grad_estimator=grad_estimator)
+    d = c.normal(loc32, torch.ones(N), k=k32, grad_estimator=grad_estimator)
     transform = biject_to(d.support)
     points = {
         "mean": d.mean,
         "sample": d.sample((50,)),
         "rsample": d.rsample((50,)),
-        "bijection": transform(torch.randn(50, 14)),
-        "project": c.project(10 * torch.randn(50, 20), k32),
+        "bijection": transform(torch.randn(50, N - A_ROWS)),
+        "project": c.project(10 * torch.randn(50, N), k32),
     }
     for name, z in points.items():
         assert z.dtype == torch.float32
