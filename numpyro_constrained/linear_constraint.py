@@ -46,14 +46,19 @@ def _combine_rows(coefficients: jax.Array, rows: jax.Array) -> jax.Array:
 
 
 def _after(value: jax.Array, *earlier: jax.Array) -> jax.Array:
-    """``value``, made to depend on ``earlier`` (NaN if their first entries are NaN).
+    """``value``, a batch of matrices (..., p, q), made to depend on ``earlier``, batches of
+    matrices (..., r, s) whose batch shapes broadcast to that of ``value``: NaN in each
+    batch element where the first entry of that element of some ``earlier`` is NaN.
 
     XLA's CPU runtime runs independent LAPACK calls (QR, triangular solves) at the same
     time, and a batched LAPACK call blocks its thread while it spreads its batch over the
     same thread pool: two of them at once on a small pool deadlock (measured: a (256, 1000)
     scale with a = 10 hung every time on two cores). A data dependency orders them; an
-    optimization barrier does not (its outputs alias its inputs)."""
-    marker = sum(jnp.ravel(array)[0] for array in earlier)
+    optimization barrier does not (its outputs alias its inputs). The dependency is taken
+    per batch element, not on the first entry of the whole array: a batch sharded over
+    devices then depends only on its own shard (the first entry lives on one device, and
+    every other device would wait for it through an all-reduce)."""
+    marker = sum(array[..., :1, :1] for array in earlier)
     return jnp.where(jnp.isnan(marker), jnp.nan, value)
 
 
