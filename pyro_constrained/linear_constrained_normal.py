@@ -448,12 +448,8 @@ class LinearConstrainedNormal(TorchDistribution):
             if rtol is not None:
                 constraint = constraint._replace(rtol=rtol)
         self._constraint = constraint
+        self.A = constraint.A
         self._precompute()
-
-    @property
-    def A(self) -> torch.Tensor:
-        """The constraint matrix (..., a, n)."""
-        return self._constraint.A
 
     @property
     def constraint(self) -> LinearConstraint:
