@@ -8,6 +8,7 @@ from numpyro_constrained import losses
 from numpyro_constrained.conditioned_poisson import ConditionedPoisson
 from numpyro_constrained.exactly_k_bernoulli import ExactlyKBernoulli
 from numpyro_constrained.linear_constrained_normal import LinearConstrainedNormal
+from numpyro_constrained.linear_constraint import LinearConstraint
 from numpyro_constrained.reparam import LinearConstrainedNormalReparam
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "ExactlyKBernoulli",
     "LinearConstrainedNormal",
     "LinearConstrainedNormalReparam",
+    "LinearConstraint",
     "losses",
 ]
 __version__ = "0.1.0"

@@ -18,57 +18,17 @@ from torch.distributions.transforms import Transform
 from torch.distributions.utils import _standard_normal, lazy_property
 
 from constrained_ppl_common.arguments import check_value_shape
+from pyro_constrained.linear_constraint import (
+    LinearConstraint,
+    _as_float_tensor,
+    _check_finite,
+    _check_rtol,
+    _combine_rows,
+    _row_sorted_qr,
+    _rows_times,
+)
 
 GRAD_ESTIMATORS = ("marginal_expectation", "pathwise")
-
-
-def _rows_times(matrix: torch.Tensor, vector: torch.Tensor) -> torch.Tensor:
-    """``matrix @ vector`` over the last dimensions: (..., a, n) x (..., n) -> (..., a).
-
-    Written as a row vector times the transposed matrix so that an unbatched ``matrix`` and
-    a batched ``vector`` fold into one matrix-matrix product instead of a batch of
-    matrix-vector products. Mixed float dtypes are promoted, as torch's elementwise
-    operations promote them (``matmul`` itself refuses them).
-    """
-    if matrix.dtype != vector.dtype:
-        dtype = torch.promote_types(matrix.dtype, vector.dtype)
-        matrix, vector = matrix.to(dtype), vector.to(dtype)
-    if matrix.dim() > 2 and matrix.shape[-2] == 1:
-        # A batch of single dot products: a fused multiply-sum is several times faster than
-        # the batched matrix product, which launches one tiny product per batch element.
-        return (matrix * vector.unsqueeze(-2)).sum(-1)
-    return (vector.unsqueeze(-2) @ matrix.mT).squeeze(-2)
-
-
-def _combine_rows(coefficients: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``coefficients^T @ rows``: (..., a) x (..., a, n) -> (..., n), dtypes promoted."""
-    if coefficients.dtype != rows.dtype:
-        dtype = torch.promote_types(coefficients.dtype, rows.dtype)
-        coefficients, rows = coefficients.to(dtype), rows.to(dtype)
-    return (coefficients.unsqueeze(-2) @ rows).squeeze(-2)
-
-
-def _row_sorted_qr(tall: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reduced QR ``tall = Q R`` of an (..., n, a) matrix, n >= a, with Householder
-    reflections applied to the rows sorted by decreasing norm.
-
-    ``Q`` (..., n, a) is returned in the original row order; ``R`` (..., a, a) is upper
-    triangular and, as ``R^T R = tall^T tall``, does not depend on the order. Why sort: the
-    rows here are ``s_i A_{:, i}^T``, whose norms may differ by many orders of magnitude, and
-    Householder QR is row-wise backward stable only when the rows come in decreasing order
-    of norm (Powell and Reid 1969; Cox and Higham 1998). Unsorted, the rows of ``Q`` of the
-    small-variance coordinates carry errors of the size of the largest row, which in float32
-    with scales spanning 12 decades moves the conditional mean off ``A z = k`` by 100%.
-    """
-    order = torch.argsort(torch.linalg.vector_norm(tall, dim=-1), dim=-1, descending=True)
-    q, r = torch.linalg.qr(torch.take_along_dim(tall, order.unsqueeze(-1), dim=-2))
-    inverse_order = torch.argsort(order, dim=-1)
-    return torch.take_along_dim(q, inverse_order.unsqueeze(-1), dim=-2), r
-
-
-def _check_finite(name: str, tensor: torch.Tensor) -> None:
-    if not bool(torch.isfinite(tensor).all()):
-        raise ValueError(f"{name} must be finite, but it contains NaN or +-inf")
 
 
 def _float_dtype(values) -> torch.dtype:
@@ -85,40 +45,24 @@ def _float_dtype(values) -> torch.dtype:
     return torch.get_default_dtype() if dtype is None else dtype
 
 
-def _subspace_tolerance(dtype: torch.dtype) -> float:
-    # A dot product of length n in floating point is off by about sqrt(n) eps relative to
-    # ||A_j|| ||z||; sqrt(eps) leaves room for sums of 10^5 terms and for the QR basis of the
-    # bijection, and still rejects any value that is visibly off the subspace.
-    return math.sqrt(torch.finfo(dtype).eps)
+def _as_constraint(A, k: torch.Tensor) -> LinearConstraint:
+    """``A`` itself when it is a :class:`LinearConstraint`, else one built (unchecked) from
+    the matrix ``A`` in the dtype of ``k``'s promotion with it."""
+    if isinstance(A, LinearConstraint):
+        return A
+    A = torch.as_tensor(A)
+    dtype = torch.promote_types(A.dtype, k.dtype) if A.is_floating_point() else k.dtype
+    return LinearConstraint._build(A.to(dtype), None, validate=False)
 
 
-def _on_subspace(value: torch.Tensor, A: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Whether each event of ``value`` satisfies ``A value = k`` to rounding error.
-
-    The tolerance for row j is ``sqrt(eps) (||A_j|| ||value|| + |k_j|)``, which bounds the
-    rounding error of the dot product ``A_j . value`` (Cauchy-Schwarz) without a second
-    matrix product; ``eps`` is that of the less precise of the value's and the parameters'
-    dtypes (a float64 value is on a float32 subspace only to float32 precision).
-    """
-    if not value.is_floating_point():
-        value = value.to(A.dtype)
-    tolerance = max(_subspace_tolerance(value.dtype), _subspace_tolerance(A.dtype))
-    residual = _rows_times(A, value) - k
-    bound = (
-        torch.linalg.vector_norm(A, dim=-1) * torch.linalg.vector_norm(value, dim=-1, keepdim=True)
-        + k.abs()
-    )
-    return (residual.abs() <= tolerance * bound).all(-1)
-
-
-def _check_not_stale(value, A: torch.Tensor, k: torch.Tensor) -> None:
+def _check_not_stale(value, constraint: LinearConstraint, k: torch.Tensor) -> None:
     """Raise if ``value`` came from an :class:`AffineSubspaceTransform` of another subspace
     and is off this one (HMC/NUTS and AutoGuides freeze the transform of a site at the first
     trace, so a site whose ``A`` or ``k`` depends on a latent would otherwise score -inf)."""
     origin = getattr(value, "_lcn_subspace", None)
-    if origin is None or (origin[0] is A and origin[1] is k):
+    if origin is None or (origin[0] is constraint.A and origin[1] is k):
         return
-    if not bool(_on_subspace(value.detach(), A.detach(), k.detach()).all()):
+    if not bool(constraint._check(value.detach(), k.detach()).all()):
         raise ValueError(
             "LinearConstrainedNormal: the value was mapped onto the subspace A z = k of an "
             "earlier trace, and A or k have changed since (they depend on another latent "
@@ -131,20 +75,22 @@ def _check_not_stale(value, A: torch.Tensor, k: torch.Tensor) -> None:
 class AffineSubspace(constraints.Constraint):
     """The affine subspace ``{z in R^n : A z = k}`` with ``A`` of shape (..., a, n), rank a.
 
-    ``check`` accepts a value whose residual ``A z - k`` is within rounding error (relative
-    tolerance ``sqrt(eps)`` of the value's dtype, see :func:`_on_subspace`).
+    ``A`` is a :class:`LinearConstraint` (whose factorisation and ``rtol`` are used) or a
+    matrix. ``check`` accepts a value whose residual is within the constraint's tolerance,
+    ``|A z - k| <= rtol * (|A| |z| + |k|)`` per row (see :class:`LinearConstraint`).
     """
 
     is_discrete = False
     event_dim = 1
 
-    def __init__(self, A: torch.Tensor, k: torch.Tensor):
-        self.A = A
+    def __init__(self, A: LinearConstraint | torch.Tensor, k: torch.Tensor):
+        self.constraint = _as_constraint(A, k)
+        self.A = self.constraint.A
         self.k = k
         super().__init__()
 
     def check(self, value: torch.Tensor) -> torch.Tensor:
-        return _on_subspace(value, self.A, self.k)
+        return self.constraint._check(value, self.k)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(a={self.A.shape[-2]}, n={self.A.shape[-1]})"
@@ -160,36 +106,35 @@ class AffineSubspaceTransform(Transform):
     Lebesgue (Hausdorff) measure on the subspace, the base measure of
     :class:`LinearConstrainedNormal`, is 0. The inverse ``z -> B^T (z - z0)`` is the
     orthogonal projection, so it also maps a point near the subspace to the nearest one.
+    The forward map ends with the Euclidean projection step of
+    :meth:`LinearConstraint.project` (``z <- z - A^T (A A^T)^{-1} (A z - k)``, which is the
+    identity in exact arithmetic), so its values satisfy the support tolerance in float32.
 
-    Cost: the basis has n (n - a) entries and its QR costs O(n^2 a) once per transform; this
-    is the one place an n-by-n-sized object is formed (the distribution's own calls stay
-    O(n a)), which is fine at the sizes where AutoGuides and NUTS are used.
+    Cost: ``B`` and the factorisation are those of the :class:`LinearConstraint` (given, or
+    the distribution's): the O(n^2 a) QR for ``B`` runs once per constraint, not once per
+    transform, so an AutoGuide that builds this transform at every step does not refactorise.
+    Each call is O(n (n - a)) per point.
     """
 
     domain = constraints.real_vector
     bijective = True
 
-    def __init__(self, A: torch.Tensor, k: torch.Tensor, cache_size: int = 0):
+    def __init__(self, A: LinearConstraint | torch.Tensor, k: torch.Tensor, cache_size: int = 0):
         super().__init__(cache_size=cache_size)
-        self.A = A
+        self.constraint = _as_constraint(A, k)
+        self.A = self.constraint.A
         self.k = k
-        num_rows = A.shape[-2]
-        q, r = torch.linalg.qr(A.mT, mode="complete")
-        self.basis = q[..., :, num_rows:]
-        # A^T = Q1 R1, so z0 = A^T (A A^T)^{-1} k = Q1 R1^{-T} k.
-        coefficients = torch.linalg.solve_triangular(
-            r[..., :num_rows, :].mT, k.unsqueeze(-1), upper=False
-        )
-        self.offset = (q[..., :, :num_rows] @ coefficients).squeeze(-1)
+        self.basis = self.constraint._null_basis
+        self.offset = self.constraint._offset(k)
 
     @constraints.dependent_property(is_discrete=False, event_dim=1)
     def codomain(self) -> constraints.Constraint:
-        return AffineSubspace(self.A, self.k)
+        return AffineSubspace(self.constraint, self.k)
 
     def with_cache(self, cache_size: int = 1) -> AffineSubspaceTransform:
         if self._cache_size == cache_size:
             return self
-        return AffineSubspaceTransform(self.A, self.k, cache_size=cache_size)
+        return AffineSubspaceTransform(self.constraint, self.k, cache_size=cache_size)
 
     def __eq__(self, other: object) -> bool:
         return (
@@ -201,7 +146,7 @@ class AffineSubspaceTransform(Transform):
         )
 
     def _call(self, u: torch.Tensor) -> torch.Tensor:
-        z = self.offset + _rows_times(self.basis, u)
+        z = self.constraint._correct(self.offset + _rows_times(self.basis, u), self.k)
         # Remember the subspace this value was mapped onto, so that a LinearConstrainedNormal
         # whose subspace has since moved (HMC/NUTS and AutoGuides freeze this transform at
         # the first trace) can name the fix instead of silently returning -inf.
@@ -229,14 +174,7 @@ class AffineSubspaceTransform(Transform):
 @biject_to.register(AffineSubspace)
 @transform_to.register(AffineSubspace)
 def _transform_to_affine_subspace(constraint: AffineSubspace) -> AffineSubspaceTransform:
-    return AffineSubspaceTransform(constraint.A, constraint.k)
-
-
-def _as_float_tensor(value, name: str, dtype: torch.dtype, device) -> torch.Tensor:
-    tensor = torch.as_tensor(value, device=device)
-    if not (tensor.is_floating_point() or tensor.dtype in (torch.int32, torch.int64, torch.bool)):
-        raise ValueError(f"{name} must be a real array, got dtype {tensor.dtype}")
-    return tensor.to(dtype)
+    return AffineSubspaceTransform(constraint.constraint, constraint.k)
 
 
 class LinearConstrainedNormal(TorchDistribution):
@@ -331,6 +269,8 @@ class LinearConstrainedNormal(TorchDistribution):
         scale_tril: torch.Tensor | None = None,
         A: torch.Tensor | None = None,
         k: torch.Tensor | float | None = None,
+        constraint: LinearConstraint | None = None,
+        rtol: float | None = None,
         grad_estimator: str = "marginal_expectation",
         validate_args: bool | None = None,
     ):
@@ -345,7 +285,19 @@ class LinearConstrainedNormal(TorchDistribution):
             )
         if sum(p is not None for p in (scale, covariance_matrix, scale_tril)) != 1:
             raise ValueError("exactly one of scale, covariance_matrix or scale_tril must be given")
-        dtype = _float_dtype((loc, scale, covariance_matrix, scale_tril, A, k))
+        if constraint is not None:
+            if A is not None:
+                raise ValueError(
+                    "give the constraint either as A or as constraint (a LinearConstraint), "
+                    "not both"
+                )
+            if not isinstance(constraint, LinearConstraint):
+                raise ValueError(
+                    f"constraint must be a LinearConstraint, got {type(constraint).__name__}"
+                )
+        rtol = _check_rtol(rtol)
+        matrix_a = constraint.A if constraint is not None else A
+        dtype = _float_dtype((loc, scale, covariance_matrix, scale_tril, matrix_a, k))
         device = loc.device if isinstance(loc, torch.Tensor) else None
         loc = _as_float_tensor(loc, "loc", dtype, device)
         device = loc.device
@@ -381,7 +333,13 @@ class LinearConstrainedNormal(TorchDistribution):
                 scale_tril = matrix
             cov_batch_shape = scale_tril.shape[:-2]
 
-        if A is None:
+        if constraint is not None:
+            A = constraint.A
+            if A.shape[-1] != n:
+                raise ValueError(
+                    f"the constraint has n = {A.shape[-1]} columns, but loc has size {n}"
+                )
+        elif A is None:
             A = torch.ones(1, n, dtype=dtype, device=device)
         else:
             A = _as_float_tensor(A, "A", dtype, device)
@@ -435,7 +393,6 @@ class LinearConstrainedNormal(TorchDistribution):
         else:
             self.scale_tril = scale_tril
         self._diagonal = scale is not None
-        self.A = A
         self.k = k
         self.grad_estimator = grad_estimator
         # torch's own check reads every arg_constraints entry with getattr, and
@@ -450,7 +407,9 @@ class LinearConstrainedNormal(TorchDistribution):
             factor_name, factor = (
                 ("scale", scale) if scale is not None else ("scale_tril", scale_tril)
             )
-            arguments = {"loc": self.loc, factor_name: factor, "A": A, "k": k}
+            arguments = {"loc": self.loc, factor_name: factor, "k": k}
+            if constraint is None:
+                arguments["A"] = A
             for name, value in arguments.items():
                 if not bool(self.arg_constraints[name].check(value).all()):
                     raise ValueError(
@@ -459,16 +418,34 @@ class LinearConstrainedNormal(TorchDistribution):
                         f"{self.arg_constraints[name]!r}"
                     )
 
-        # A^T = Q' R': det(A A^T) = det(R')^2, and R' has the singular values of A.
-        r_of_a = torch.linalg.qr(A.mT, mode="r").R
-        if validate:
-            singular_values = torch.linalg.svdvals(r_of_a)
-            tolerance = singular_values[..., :1] * max(A.shape[-2:]) * torch.finfo(dtype).eps
-            if not (singular_values[..., -1:] > tolerance).all():
-                raise ValueError(f"A must have full row rank {num_rows}; it is rank-deficient")
-        self._precompute(r_of_a)
+        if constraint is None:
+            # Validated (rank included) and factorised here, once per distribution; a
+            # LinearConstraint given instead was validated and factorised once for all.
+            constraint = LinearConstraint._build(A, rtol, validate)
+        else:
+            if constraint.A.dtype != dtype or constraint.A.device != device:
+                constraint = constraint._replace(dtype=dtype, device=device)
+            if rtol is not None:
+                constraint = constraint._replace(rtol=rtol)
+        self._constraint = constraint
+        self._precompute()
 
-    def _precompute(self, r_of_a: torch.Tensor) -> None:
+    @property
+    def A(self) -> torch.Tensor:
+        """The constraint matrix (..., a, n)."""
+        return self._constraint.A
+
+    @property
+    def constraint(self) -> LinearConstraint:
+        """The :class:`LinearConstraint` (validated and factorised ``A`` and ``rtol``)."""
+        return self._constraint
+
+    @property
+    def rtol(self) -> float:
+        """The relative tolerance of the support check (see :class:`LinearConstraint`)."""
+        return self._constraint.rtol
+
+    def _precompute(self) -> None:
         """Everything that depends only on the parameters: O(n a^2 + a^3) (diagonal)."""
         A = self.A
         if self._diagonal:
@@ -500,7 +477,7 @@ class LinearConstrainedNormal(TorchDistribution):
         self._log_normalizer = (
             -log_det_sigma_half
             + r_factor.diagonal(dim1=-2, dim2=-1).abs().log().sum(-1)
-            - r_of_a.diagonal(dim1=-2, dim2=-1).abs().log().sum(-1)
+            - self._constraint._log_det_half
             - 0.5 * (self.event_shape[0] - A.shape[-2]) * math.log(2 * math.pi)
         )
 
@@ -557,7 +534,7 @@ class LinearConstrainedNormal(TorchDistribution):
 
     @constraints.dependent_property(is_discrete=False, event_dim=1)
     def support(self) -> AffineSubspace:
-        return AffineSubspace(self.A, self.k)
+        return AffineSubspace(self._constraint, self.k)
 
     @property
     def mean(self) -> torch.Tensor:
@@ -618,20 +595,23 @@ class LinearConstrainedNormal(TorchDistribution):
         :class:`AffineSubspaceTransform` built for another ``(A, k)`` mapped off this
         subspace: the symptom of a transform frozen while ``A`` or ``k`` depend on a latent.
         """
-        _check_not_stale(value, self.A, self.k)
+        _check_not_stale(value, self._constraint, self.k)
         value = torch.as_tensor(value, device=self.loc.device)
         check_value_shape(value.shape, self.batch_shape, self.event_shape, type(self).__name__)
         dtype = self.loc.dtype
         if value.is_floating_point():
             dtype = torch.promote_types(value.dtype, dtype)
-        if self._validate_args:
-            self._validate_sample(value)
         value = value.to(dtype)
+        if self._validate_args and not bool(self._constraint._check(value, self.k).all()):
+            raise ValueError(
+                f"{type(self).__name__}.log_prob: a value is outside the support: "
+                + self._constraint._out_of_support_message(value, self.k)
+            )
         log_prob = -0.5 * self._mahalanobis_from_mean(value) + self._log_normalizer.to(dtype)
         if self._validate_args:
             # Validation raised unless every value is on the subspace: no mask needed.
             return log_prob
-        on_subspace = _on_subspace(value, self.A, self.k)
+        on_subspace = self._constraint._check(value, self.k)
         return torch.where(on_subspace, log_prob, torch.full_like(log_prob, -math.inf))
 
     def _matheron_sample(self, sample_shape: torch.Size) -> torch.Tensor:
