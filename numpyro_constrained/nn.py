@@ -20,17 +20,23 @@ functions work under ``jax.jit`` / ``jax.grad`` / ``jax.vmap``.
 **Which loss to use when** (``mu_bar``: the conditional mean, the ``Sigma^{-1}``-weighted
 projection of ``loc`` onto ``{A y = k}``; ``s``: the scales):
 
-- ``"mse+nll"`` (default, recommended): the mean is trained on ``||mu_bar - y||^2`` (scale
-  held fixed) and the scale on the negative log-likelihood (``loc`` held fixed): the mean
-  gets the objective test MSE measures, with every output weighted alike, and the scale is
-  fitted by likelihood to that mean's residuals, which calibrates the intervals.
+- ``"mse+nll"`` (default, recommended): ``||loc - y||^2 - log p(y)`` with ``loc`` held
+  fixed in the log-likelihood: the mean branch learns an unconstrained prediction by plain
+  squared error (every output weighted alike), the scale is fitted by likelihood to its
+  residuals, and the prediction ``mu_bar`` conditions ``loc`` on the balances with those
+  scales as weights. Then :func:`calibrate_head` on held-out data.
 - ``"nll"``: ``-log p(y)``; weights each output's squared error by ``1 / s_i^2``, trading
   squared error on noisy outputs for likelihood on precise ones. For when the likelihood
   itself is the goal.
+- ``"mse"``: ``||mu_bar - y||^2`` (with a constant scale: the orthogonal projection layer);
+  the scale is not calibrated.
 - ``"expected_l2"`` / ``"expected_l1"``: ``E ||y_hat - y||^2`` or ``E ||y_hat - y||_1`` for
   a predictive draw ``y_hat``; minimised by ``s -> 0``, so the scale rests on its floor and
   the intervals are not calibrated.
-- ``"mse"``: ``||mu_bar - y||^2`` alone (the scale is not calibrated).
+
+**Calibration**: :func:`calibrate_head` fits one factor ``t`` for all scales by maximum
+likelihood on held-out data, ``t^2 = mean ||(y - mu_bar) / s||^2 / (n - a)``; ``mu_bar``
+does not change.
 
 **Scale**: ``s = min_scale + softplus(raw)`` in units of ``output_scale``, with ``raw`` from
 a small MLP of its own on the features with their gradient stopped (``"per_example"``) or
@@ -47,13 +53,11 @@ import math
 import jax
 import jax.numpy as jnp
 
-from numpyro_constrained.linear_constrained_normal import (
-    LinearConstrainedNormal,
-    LinearConstraint,
-)
+from numpyro_constrained.linear_constrained_normal import LinearConstrainedNormal
+from numpyro_constrained.linear_constraint import LinearConstraint
 from numpyro_constrained.losses import expected_l1_loss, expected_l2_loss
 
-LOSSES = ("mse+nll", "nll", "expected_l2", "expected_l1", "mse")
+LOSSES = ("mse+nll", "nll", "mse", "expected_l2", "expected_l1")
 SCALES = ("per_example", "per_output")
 
 
@@ -114,9 +118,7 @@ def init_head(
         raise ValueError(f"init_scale ({init_scale}) must exceed min_scale ({min_scale})")
     n = constraint.n
     output_loc = jnp.zeros(n, dtype) if output_loc is None else jnp.asarray(output_loc, dtype)
-    output_scale = (
-        jnp.ones(n, dtype) if output_scale is None else jnp.asarray(output_scale, dtype)
-    )
+    output_scale = jnp.ones(n, dtype) if output_scale is None else jnp.asarray(output_scale, dtype)
     for name, value in (("output_loc", output_loc), ("output_scale", output_scale)):
         if value.shape != (n,):
             raise ValueError(f"{name} must have shape ({n},), got {value.shape}")
@@ -141,7 +143,7 @@ def init_head(
     scaled_constraint = (
         constraint
         if bool((output_scale == 1).all())
-        else LinearConstraint(constraint.A * output_scale, rtol=constraint.rtol)
+        else LinearConstraint(constraint.A * output_scale, rtol=constraint._rtol)
     )
     state = {
         "constraint": constraint,
@@ -149,6 +151,7 @@ def init_head(
         "output_loc": output_loc,
         "output_scale": output_scale,
         "min_scale": jnp.asarray(min_scale, dtype),
+        "scale_factor": jnp.ones((), dtype),
     }
     return params, state
 
@@ -175,12 +178,31 @@ def head_distribution(
     validate_args: bool | None = None,
 ) -> LinearConstrainedNormal:
     """The predictive distribution of the outputs in their own units: batch shape
-    ``features.shape[:-1]`` broadcast with ``k.shape[:-1]``, event shape (n,)."""
+    ``features.shape[:-1]`` broadcast with ``k.shape[:-1]``, event shape (n,); its scale
+    includes the calibration factor ``state["scale_factor"]``."""
     loc, scale = head_parameters(params, state, features)
     output_scale = state["output_scale"]
     return state["constraint"].normal(
-        loc * output_scale, scale * output_scale, k=k, validate_args=validate_args
+        loc * output_scale,
+        scale * (state["scale_factor"] * output_scale),
+        k=k,
+        validate_args=validate_args,
     )
+
+
+def calibrate_head(
+    params: dict, state: dict, features: jax.Array, k: jax.Array, target: jax.Array
+) -> dict:
+    """A copy of ``state`` whose ``scale_factor`` ``t`` maximises the likelihood of held-out
+    examples: for ``Sigma -> t^2 Sigma`` the log-density on the ``(n - a)``-dimensional
+    subspace changes as ``-(n - a) log t - M / (2 t^2)``, ``M = ||(y - mu_bar) / s||^2``
+    (``mu_bar`` does not depend on ``t``), so ``t^2 = sum M / (N (n - a))``."""
+    state = dict(state, scale_factor=jnp.ones_like(state["scale_factor"]))
+    dist = head_distribution(params, state, features, k)
+    mahalanobis = jnp.sum(jnp.square((target - dist.mean) / dist.scale), -1)
+    constraint = state["constraint"]
+    factor = jnp.sqrt(jnp.mean(mahalanobis) / (constraint.n - constraint.a))
+    return dict(state, scale_factor=factor.astype(state["scale_factor"].dtype))
 
 
 def head_loss(
@@ -209,10 +231,9 @@ def head_loss(
         return constraint.normal(loc, scale, k=k, validate_args=validate_args)
 
     if loss == "mse+nll":
-        # The mean sees only squared error, the scale only likelihood (given the mean).
-        mean = normal(loc, jax.lax.stop_gradient(scale)).mean
+        # The mean branch sees only squared error, the scale only likelihood (given loc).
         nll = -normal(jax.lax.stop_gradient(loc), scale).log_prob(target)
-        per_example = jnp.sum(jnp.square(mean - target), -1) + nll
+        per_example = jnp.sum(jnp.square(loc - target), -1) + nll
     else:
         dist = normal(loc, scale)
         if loss == "nll":

@@ -7,28 +7,36 @@ to ``LinearConstrainedNormal(loc, scale, constraint=c, k=k)``, whose mean and sa
 satisfy ``A y = k`` exactly, and whose marginals give predictive intervals.
 
 **Which loss to use when** (the ``loss`` argument; MATH.md section 5 for the closed forms).
-Write ``mu_bar`` for the conditional mean (the ``Sigma^{-1}``-weighted projection of
-``loc`` onto ``{A y = k}``) and ``s`` for the head's scales.
+Write ``mu_bar = loc + K (k - A loc)`` for the conditional mean (the ``Sigma^{-1}``-weighted
+projection of ``loc`` onto ``{A y = k}``, the point prediction) and ``s`` for the scales.
 
-- ``"mse+nll"`` (default, the recommended recipe): the mean is trained on the squared error
-  of ``mu_bar`` (``||mu_bar - y||^2`` with the scale detached) and the scale on the
-  negative log-likelihood with ``loc`` detached. The mean thus gets exactly the objective
-  test MSE measures, every output weighted alike (in units of ``output_scale``), while the
-  scale is fitted by likelihood to the residuals of that mean, which is what makes the
-  predictive intervals calibrated. The scale still shapes the mean through the projection
-  weights, as it should: the outputs with the larger predicted noise absorb more of the
-  correction onto the constraint.
+- ``"mse+nll"`` (default, the recommended recipe): ``||loc - y||^2 - log p(y)``, with
+  ``loc`` held fixed in the log-likelihood. The mean branch learns an unconstrained
+  prediction ``loc`` by plain squared error, every output weighted alike (in units of
+  ``output_scale``), so the backbone also learns from the balance-determined directions of
+  the targets; the scale is fitted by likelihood to that prediction's residuals, and the
+  prediction ``mu_bar`` is ``loc`` conditioned on the balances with those fitted
+  ``s`` as weights: the outputs that the network predicts worst absorb most of the
+  correction. Train with this, then :meth:`calibrate` the scale on held-out data.
 - ``"nll"``: ``-log p(y)``, the proper likelihood. It weights each output's squared error
   by ``1 / s_i^2``, so it gives up squared error on noisy outputs for likelihood on precise
   ones: use it when the likelihood itself is the goal (model comparison, downstream
-  Bayesian use) or when the noise levels are known to be right, not when test MSE matters.
+  Bayesian use) or when the noise levels are known, not when test MSE matters.
+- ``"mse"``: ``||mu_bar - y||^2``, the squared error of the projected mean. With a constant
+  scale this is the orthogonal projection layer (KKThPINN). It trains only through the
+  ``n - a`` free directions, and the scale acts only as projection weights (not calibrated).
 - ``"expected_l2"``: ``E ||y_hat - y||^2 = ||mu_bar - y||^2 + tr Sigma_bar`` for
   ``y_hat`` drawn from the prediction. The trace term is minimised by ``s -> 0``, so the
-  scale sits at the floor ``min_scale``: the mean is fine, the intervals are not calibrated.
+  scale rests on the floor ``min_scale``: the mean is that of ``"mse"``, the intervals are
+  not calibrated.
 - ``"expected_l1"``: the same with ``E ||y_hat - y||_1`` (robust to outliers; the scale
   also goes to the floor).
-- ``"mse"``: ``||mu_bar - y||^2`` alone. The scale only acts as projection weights and is
-  not calibrated; with the scale constant this is the orthogonal projection layer.
+
+**Calibration.** A scale fitted to training residuals is too small by the amount the mean
+overfits, so the intervals undercover. :meth:`calibrate` multiplies all scales by one
+factor ``t`` fitted by maximum likelihood on held-out examples, in closed form:
+``t^2 = mean over examples of ||(y - mu_bar) / s||^2 / (n - a)``. A common factor leaves
+``mu_bar`` unchanged (``K`` does not depend on it), so the point predictions stay as they are.
 
 **Scale parameterisation.** ``s = output_scale * (min_scale + softplus(raw))``: the
 softplus floor keeps ``s >= min_scale * output_scale`` whatever the loss does (the NLL of an
@@ -54,10 +62,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from pyro_constrained.linear_constrained_normal import LinearConstrainedNormal, LinearConstraint
+from pyro_constrained.linear_constrained_normal import LinearConstrainedNormal
+from pyro_constrained.linear_constraint import LinearConstraint
 from pyro_constrained.losses import expected_l1_loss, expected_l2_loss
 
-LOSSES = ("mse+nll", "nll", "expected_l2", "expected_l1", "mse")
+LOSSES = ("mse+nll", "nll", "mse", "expected_l2", "expected_l1")
 SCALES = ("per_example", "per_output")
 
 
@@ -130,12 +139,14 @@ class LinearConstrainedNormalHead(nn.Module):
         self.validate_args = validate_args
         self.register_buffer("output_loc", output_loc.to(dtype=dtype, device=device))
         self.register_buffer("output_scale", output_scale.to(dtype=dtype, device=device))
+        # The calibration factor t of :meth:`calibrate` (1 until calibrated).
+        self.register_buffer("scale_factor", torch.ones((), dtype=dtype, device=device))
         # The losses live in the scaled coordinates y / output_scale, whose constraint is
         # A diag(output_scale): factorised once here, not per step.
         self.scaled_constraint = (
             constraint
             if bool((self.output_scale == 1).all())
-            else LinearConstraint(constraint.A * self.output_scale, rtol=constraint.rtol)
+            else LinearConstraint(constraint.A * self.output_scale, rtol=constraint._rtol)
         )
         self.mean_layer = nn.Linear(in_features, n)
         raw_init = _inverse_softplus(init_scale - min_scale)
@@ -173,11 +184,12 @@ class LinearConstrainedNormalHead(nn.Module):
 
     def forward(self, features: torch.Tensor, k: torch.Tensor) -> LinearConstrainedNormal:
         """The predictive distribution of the outputs in their own units: batch shape
-        ``features.shape[:-1]`` broadcast with ``k.shape[:-1]``, event shape (n,)."""
+        ``features.shape[:-1]`` broadcast with ``k.shape[:-1]``, event shape (n,); its
+        scale includes the calibration factor."""
         loc, scale = self.scaled_parameters(features)
         return self.constraint.normal(
             loc * self.output_scale,
-            scale * self.output_scale,
+            scale * (self.scale_factor * self.output_scale),
             k=k,
             validate_args=self.validate_args,
         )
@@ -185,6 +197,25 @@ class LinearConstrainedNormalHead(nn.Module):
     def project(self, features: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """The point prediction ``mu_bar`` (the predictive mean) in the outputs' units."""
         return self(features, k).mean
+
+    @torch.no_grad()
+    def calibrate(self, features: torch.Tensor, k: torch.Tensor, target: torch.Tensor) -> float:
+        """Fit the scale factor ``t`` by maximum likelihood on held-out examples and store it.
+
+        For ``Sigma -> t^2 Sigma`` the log-density of ``y`` on the ``(n - a)``-dimensional
+        subspace changes as ``-(n - a) log t - M / (2 t^2)`` with
+        ``M = ||(y - mu_bar) / s||^2`` (``mu_bar`` does not depend on ``t``), so the
+        maximiser over N examples is ``t^2 = sum M / (N (n - a))``. Returns ``t``.
+        """
+        self.scale_factor.fill_(1.0)
+        dist = self(features, k)
+        mahalanobis = ((target - dist.mean) / dist.scale).square().sum(-1)
+        free = self.constraint.n - self.constraint.a
+        factor = (mahalanobis.mean() / free).sqrt()
+        if not bool(torch.isfinite(factor)) or not factor > 0:
+            raise ValueError(f"calibrate: the held-out data give a scale factor of {factor}")
+        self.scale_factor.fill_(factor)
+        return float(factor)
 
     # -- training -----------------------------------------------------------------------------
 
@@ -203,10 +234,9 @@ class LinearConstrainedNormalHead(nn.Module):
         target = target / self.output_scale
         loc, scale = self.scaled_parameters(features)
         if loss == "mse+nll":
-            # The mean sees only squared error, the scale only likelihood (given the mean).
-            mean = self._scaled_normal(loc, scale.detach(), k).mean
+            # The mean branch sees only squared error, the scale only likelihood (given loc).
             nll = -self._scaled_normal(loc.detach(), scale, k).log_prob(target)
-            per_example = (mean - target).square().sum(-1) + nll
+            per_example = (loc - target).square().sum(-1) + nll
         else:
             dist = self._scaled_normal(loc, scale, k)
             if loss == "nll":
