@@ -38,9 +38,10 @@ projection of ``loc`` onto ``{A y = k}``; ``s``: the scales):
 likelihood on held-out data, ``t^2 = mean ||(y - mu_bar) / s||^2 / (n - a)``; ``mu_bar``
 does not change.
 
-**Scale**: ``s = min_scale + softplus(raw)`` in units of ``output_scale``, with ``raw`` from
-a small MLP of its own on the features with their gradient stopped (``"per_example"``) or
-one learned vector (``"per_output"``): the floor holds whatever the loss does. The losses
+**Scale**: ``s = min_scale + softplus(raw)`` in units of ``output_scale``, with ``raw`` one
+learned vector (``"per_output"``, default: homoscedastic, one factorisation of
+``A diag(s)`` for the whole batch) or from a small MLP of its own on the features with
+their gradient stopped (``"per_example"``): the floor holds whatever the loss does. The losses
 are computed in the scaled coordinates ``y / output_scale`` (constraint
 ``A diag(output_scale)``, same ``k``; scaling without centring keeps the relative support
 tolerance invariant).
@@ -85,7 +86,7 @@ def init_head(
     in_features: int,
     constraint: LinearConstraint,
     *,
-    scale: str = "per_example",
+    scale: str = "per_output",
     scale_hidden: int = 32,
     min_scale: float = 1e-2,
     init_scale: float = 1.0,
@@ -99,8 +100,8 @@ def init_head(
     :param in_features: size of the features (the backbone's last layer).
     :param constraint: the :class:`LinearConstraint` ``A`` (a x n) shared by all examples;
         its ``rtol`` is the support tolerance for targets.
-    :param scale: ``"per_example"`` (a small MLP on the stopped-gradient features) or
-        ``"per_output"`` (one learned vector).
+    :param scale: ``"per_output"`` (default: one learned vector) or ``"per_example"`` (a
+        small MLP on the stopped-gradient features).
     :param scale_hidden: width of the scale MLP's hidden layer.
     :param min_scale: the floor of the scale, in units of ``output_scale``.
     :param init_scale: the scale at initialisation, in units of ``output_scale``.

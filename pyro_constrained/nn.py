@@ -40,11 +40,14 @@ factor ``t`` fitted by maximum likelihood on held-out examples, in closed form:
 
 **Scale parameterisation.** ``s = output_scale * (min_scale + softplus(raw))``: the
 softplus floor keeps ``s >= min_scale * output_scale`` whatever the loss does (the NLL of an
-overfitted training set, or an expected loss, would otherwise drive it to 0). With
-``scale="per_example"`` (default) ``raw`` comes from a small MLP of its own applied to the
-*detached* features, so the scale's gradient never reshapes the mean's features; with
-``scale="per_output"`` it is one learned vector (homoscedastic, cheaper: the whitened
-factorisation is then shared by the whole batch).
+overfitted training set, or an expected loss, would otherwise drive it to 0), and the
+scale is a branch of its own, so its gradient never reshapes the mean's features. With
+``scale="per_output"`` (default) ``raw`` is one learned vector: homoscedastic, robust on
+small data sets, and cheap, since the whitened factorisation of ``A diag(s)`` is then shared
+by the whole batch. With ``scale="per_example"`` it comes from a small MLP of its own on
+the *detached* features (heteroscedastic): each example then needs its own factorisation
+(a batched QR, several times the cost of the MLP step), and on small data sets the pattern
+it learns from training residuals overfits, so calibrate it.
 
 **Standardisation.** Give ``output_loc`` / ``output_scale`` (e.g. the training targets' mean
 and standard deviation): the linear layer then predicts ``(loc - output_loc) /
@@ -81,10 +84,10 @@ class LinearConstrainedNormalHead(nn.Module):
     :param in_features: size of the features (the backbone's last layer).
     :param constraint: the :class:`LinearConstraint` ``A`` (a x n), shared by all examples;
         its ``rtol`` is the support tolerance for targets.
-    :param loss: one of ``"mse+nll"`` (default), ``"nll"``, ``"expected_l2"``,
-        ``"expected_l1"``, ``"mse"``: see the module docstring for which to use when.
-    :param scale: ``"per_example"`` (a small MLP on the detached features) or
-        ``"per_output"`` (one learned vector).
+    :param loss: one of ``"mse+nll"`` (default), ``"nll"``, ``"mse"``,
+        ``"expected_l2"``, ``"expected_l1"``: see the module docstring for which to use when.
+    :param scale: ``"per_output"`` (default: one learned vector) or ``"per_example"`` (a
+        small MLP on the detached features).
     :param scale_hidden: width of the scale MLP's hidden layer.
     :param min_scale: the floor of the scale, in units of ``output_scale``.
     :param init_scale: the scale at initialisation, in units of ``output_scale``.
@@ -99,7 +102,7 @@ class LinearConstrainedNormalHead(nn.Module):
         constraint: LinearConstraint,
         *,
         loss: str = "mse+nll",
-        scale: str = "per_example",
+        scale: str = "per_output",
         scale_hidden: int = 32,
         min_scale: float = 1e-2,
         init_scale: float = 1.0,
