@@ -164,6 +164,18 @@ class LinearConstrainedNormalHead(nn.Module):
         else:
             self.raw_scale = nn.Parameter(torch.full((n,), raw_init))
 
+    def _apply(self, fn, *args, **kwargs):
+        # .to(dtype / device), .double(), .cuda() convert the parameters and buffers; the two
+        # constraints are not tensors, so convert their cached factorisations alongside
+        # (O(n a), no refactorisation).
+        super()._apply(fn, *args, **kwargs)
+        for name in ("constraint", "scaled_constraint"):
+            constraint = getattr(self, name)
+            probe = fn(constraint.A)
+            if probe.dtype != constraint.A.dtype or probe.device != constraint.A.device:
+                setattr(self, name, constraint._replace(dtype=probe.dtype, device=probe.device))
+        return self
+
     # -- the scaled coordinates --------------------------------------------------------------
 
     def scaled_parameters(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

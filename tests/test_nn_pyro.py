@@ -288,3 +288,16 @@ def test_bad_arguments_raise_value_error():
     head = LinearConstrainedNormalHead(IN_FEATURES, c).double()
     with pytest.raises(ValueError, match="loss"):
         head.loss(p["features"], p["k"], p["target"], loss="mae")
+
+
+def test_dtype_conversion_converts_the_constraints():
+    """head.double() / .float() move the cached constraints with the parameters."""
+    p = _problem(torch.float32, seed=7)
+    head = _head(p, torch.float32).double()
+    assert head.constraint.A.dtype == torch.float64
+    assert head.scaled_constraint.A.dtype == torch.float64
+    features, k = p["features"].double(), p["k"].double()
+    assert head(features, k).mean.dtype == torch.float64
+    head = head.float()
+    assert head.scaled_constraint.A.dtype == torch.float32
+    assert head(p["features"], p["k"]).mean.dtype == torch.float32
