@@ -17,14 +17,19 @@ projection of ``loc`` onto ``{A y = k}``, the point prediction) and ``s`` for th
   the targets; the scale is fitted by likelihood to that prediction's residuals, and the
   prediction ``mu_bar`` is ``loc`` conditioned on the balances with those fitted
   ``s`` as weights: the outputs that the network predicts worst absorb most of the
-  correction. Train with this, then :meth:`calibrate` the scale on held-out data.
+  correction. Train with this, then :meth:`calibrate` the scale on held-out data. On the
+  simulated plant of ``notebooks/06_process_surrogate.ipynb`` (5 seeds) it has the lowest
+  test MSE of the single models, below the plain MLP, the projection layer, ``"nll"`` and
+  ``"expected_l2"``, with 90% intervals that cover about 90% once calibrated.
 - ``"nll"``: ``-log p(y)``, the proper likelihood. It weights each output's squared error
   by ``1 / s_i^2``, so it gives up squared error on noisy outputs for likelihood on precise
   ones: use it when the likelihood itself is the goal (model comparison, downstream
   Bayesian use) or when the noise levels are known, not when test MSE matters.
 - ``"mse"``: ``||mu_bar - y||^2``, the squared error of the projected mean. With a constant
-  scale this is the orthogonal projection layer (KKThPINN). It trains only through the
-  ``n - a`` free directions, and the scale acts only as projection weights (not calibrated).
+  scale this is the orthogonal projection layer (KKThPINN). It trains the backbone only
+  through the ``n - a`` free directions (on the tutorial's plant, training through the
+  projection generalises worse than a plain MLP), and the scale acts only as projection
+  weights (not calibrated).
 - ``"expected_l2"``: ``E ||y_hat - y||^2 = ||mu_bar - y||^2 + tr Sigma_bar`` for
   ``y_hat`` drawn from the prediction. The trace term is minimised by ``s -> 0``, so the
   scale rests on the floor ``min_scale``: the mean is that of ``"mse"``, the intervals are
