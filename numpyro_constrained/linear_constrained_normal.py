@@ -417,9 +417,13 @@ class LinearConstrainedNormal(Distribution):
     ``scipy.stats.multivariate_normal(mu_bar, Sigma_bar, allow_singular=True).logpdf(z)``, and
     for ``loc = 0``, ``Sigma = s^2 I`` and the default zero-sum constraint it equals
     ``numpyro.distributions.ZeroSumNormal(s, event_shape=(n,))``. It does not depend on a
-    choice of coordinates. A value off the subspace gets ``-inf``; with validation on it also
-    emits NumPyro's own "Out-of-support values" ``UserWarning``, as NumPyro's distributions
-    do (when the value and the parameters are concrete; a tracer cannot be inspected). A
+    choice of coordinates. "On the subspace" means within the support tolerance,
+    ``|A z - k| <= rtol * (|A| |z| + |k|)`` per row (``rtol`` default 64 eps; see
+    :class:`LinearConstraint`). A value off the subspace gets ``-inf``; with validation on it
+    also emits NumPyro's own "Out-of-support values" ``UserWarning``, as NumPyro's
+    distributions do (when the value and the parameters are concrete; a tracer cannot be
+    inspected), followed by the largest residual, its bound, the ``rtol`` in force and how
+    to loosen it. A
     value whose shape does not end in ``(n,)`` or whose leading dimensions do not broadcast
     with the batch shape is a ``ValueError`` naming the expected shape. A value of another
     float dtype than the parameters is promoted (``jnp.result_type``), and so is the result.
@@ -458,9 +462,19 @@ class LinearConstrainedNormal(Distribution):
     :param scale_tril: lower Cholesky factor of the unconditional covariance, (..., n, n).
         Exactly one of ``scale`` / ``covariance_matrix`` / ``scale_tril`` is given.
     :param A: constraint matrix of shape (..., a, n) with rank a < n; default one row of ones.
+        Validated and factorised once per distribution; to do that once for many
+        distributions (a regression head, a model step), pass ``constraint`` instead.
     :param k: right-hand side of shape (..., a), real; a scalar or a last dimension of 1 is
         broadcast to all a rows; its leading dimensions broadcast with the other parameters'
         batch shapes. Default zeros (with the default ``A``: the zero-sum constraint).
+    :param constraint: a :class:`LinearConstraint` (``A`` validated and factorised once),
+        instead of ``A``; giving both is a ``ValueError``. Construction then costs
+        O(n a^2) for the whitened factorisation of the scale (once per distinct scale) plus
+        O(B n a) for a batch of B right-hand sides, and no work on ``A`` alone.
+    :param rtol: the relative tolerance of the support check,
+        ``|A z - k| <= rtol * (|A| |z| + |k|)`` per row; default the constraint's, itself
+        by default 64 eps of the dtype (see :class:`LinearConstraint`). Set it to the
+        precision of measured data that satisfies its balances only to that precision.
     :param grad_estimator: ``"marginal_expectation"`` or ``"pathwise"``.
     """
 
@@ -551,7 +565,12 @@ class LinearConstrainedNormal(Distribution):
             constraint = LinearConstraint._build(A, rtol, validate)
         else:
             if constraint.A.dtype != A.dtype:
-                constraint = constraint._replace(dtype=A.dtype)
+                if jnp.finfo(A.dtype).eps < jnp.finfo(constraint.A.dtype).eps:
+                    # Factors rounded to a coarser dtype would cap the accuracy of the
+                    # result at that dtype's: refactorise in the finer one.
+                    constraint = LinearConstraint._build(A, constraint._rtol, False)
+                else:
+                    constraint = constraint._replace(dtype=A.dtype)
             if rtol is not None:
                 constraint = constraint._replace(rtol=rtol)
         self._constraint_object = constraint
@@ -647,7 +666,7 @@ class LinearConstrainedNormal(Distribution):
             factor_batch_shape = factor.shape[:-2]
 
         if constraint is not None:
-            A = constraint.A
+            A = constraint.A if constraint.A.dtype == dtype else constraint.A.astype(dtype)
             if A.shape[-1] != n:
                 raise ValueError(
                     f"the constraint has n = {A.shape[-1]} columns, but loc has size {n}"

@@ -207,11 +207,14 @@ class LinearConstrainedNormal(TorchDistribution):
     ``scipy.stats.multivariate_normal(mu_bar, Sigma_bar, allow_singular=True).logpdf(z)``, and
     for ``loc = 0``, ``Sigma = s^2 I`` and the default zero-sum constraint it equals NumPyro's
     ``ZeroSumNormal(s, event_shape=(n,))``. It does not depend on a choice of coordinates.
-    A value off the subspace raises ``ValueError`` with validation on and gets ``-inf``
-    with it off. A value whose shape does not end in ``(n,)`` or whose leading dimensions do
-    not broadcast with the batch shape is a ``ValueError`` naming the expected shape, with
-    validation on or off. A value of another float dtype than the parameters is promoted
-    (``torch.promote_types``), and so is the result.
+    "On the subspace" means within the support tolerance,
+    ``|A z - k| <= rtol * (|A| |z| + |k|)`` per row (``rtol`` default 64 eps; see
+    :class:`LinearConstraint`). A value off the subspace raises ``ValueError`` with
+    validation on (stating the largest residual, its bound, the ``rtol`` in force and how to
+    loosen it) and gets ``-inf`` with it off. A value whose shape does not end in ``(n,)``
+    or whose leading dimensions do not broadcast with the batch shape is a ``ValueError``
+    naming the expected shape, with validation on or off. A value of another float dtype
+    than the parameters is promoted (``torch.promote_types``), and so is the result.
 
     **Sampling** is exact, by Matheron's rule in whitened form (above). :meth:`rsample`
     returns this sample with the gradient chosen by ``grad_estimator``:
@@ -244,9 +247,19 @@ class LinearConstrainedNormal(TorchDistribution):
     :param scale_tril: lower Cholesky factor of the unconditional covariance, (..., n, n).
         Exactly one of ``scale`` / ``covariance_matrix`` / ``scale_tril`` is given.
     :param A: constraint matrix of shape (..., a, n) with rank a < n; default one row of ones.
+        Validated and factorised once per distribution; to do that once for many
+        distributions (a regression head, a model step), pass ``constraint`` instead.
     :param k: right-hand side of shape (..., a), real; a scalar or a last dimension of 1 is
         broadcast to all a rows; its leading dimensions broadcast with the other parameters'
         batch shapes. Default zeros (with the default ``A``: the zero-sum constraint).
+    :param constraint: a :class:`LinearConstraint` (``A`` validated and factorised once),
+        instead of ``A``; giving both is a ``ValueError``. Construction then costs
+        O(n a^2) for the whitened factorisation of the scale (once per distinct scale) plus
+        O(B n a) for a batch of B right-hand sides, and no work on ``A`` alone.
+    :param rtol: the relative tolerance of the support check,
+        ``|A z - k| <= rtol * (|A| |z| + |k|)`` per row; default the constraint's, itself
+        by default 64 eps of the dtype (see :class:`LinearConstraint`). Set it to the
+        precision of measured data that satisfies its balances only to that precision.
     :param grad_estimator: ``"marginal_expectation"`` or ``"pathwise"``.
     """
 
@@ -424,7 +437,14 @@ class LinearConstrainedNormal(TorchDistribution):
             constraint = LinearConstraint._build(A, rtol, validate)
         else:
             if constraint.A.dtype != dtype or constraint.A.device != device:
-                constraint = constraint._replace(dtype=dtype, device=device)
+                if torch.finfo(dtype).eps < torch.finfo(constraint.A.dtype).eps:
+                    # Factors rounded to a coarser dtype would cap the accuracy of the
+                    # result at that dtype's: refactorise in the finer one.
+                    constraint = LinearConstraint._build(
+                        constraint.A.to(dtype=dtype, device=device), constraint._rtol, False
+                    )
+                else:
+                    constraint = constraint._replace(dtype=dtype, device=device)
             if rtol is not None:
                 constraint = constraint._replace(rtol=rtol)
         self._constraint = constraint

@@ -95,6 +95,18 @@ def test_constraint_and_A_give_identical_distributions(dtype_name):
         assert d.rtol == by_matrix.rtol == 64 * float(jnp.finfo(dtype).eps)
 
 
+def test_a_float32_constraint_with_float64_parameters_is_refactorised_in_float64():
+    p = _problem()
+    A32 = _a(p["A"], jnp.float32)
+    d = LinearConstraint(A32).normal(_a(p["loc"]), _a(p["scale"]), k=_a(p["k"]))
+    reference = LinearConstrainedNormal(
+        _a(p["loc"]), _a(p["scale"]), A=A32.astype(jnp.float64), k=_a(p["k"])
+    )
+    assert d.mean.dtype == d.constraint.A.dtype == jnp.float64
+    np.testing.assert_array_equal(d.entropy(), reference.entropy())
+    np.testing.assert_array_equal(d.mean, reference.mean)
+
+
 def test_per_example_k_matches_scipy_for_each_example():
     p = _problem()
     c = LinearConstraint(_a(p["A"]))

@@ -95,6 +95,16 @@ def test_constraint_and_A_give_identical_distributions(dtype_name):
         assert d.constraint.rtol == by_matrix.constraint.rtol == 64 * torch.finfo(dtype).eps
 
 
+def test_a_float32_constraint_with_float64_parameters_is_refactorised_in_float64():
+    p = _problem()
+    A32 = _t(p["A"], torch.float32)
+    d = LinearConstraint(A32).normal(_t(p["loc"]), _t(p["scale"]), k=_t(p["k"]))
+    reference = LinearConstrainedNormal(_t(p["loc"]), _t(p["scale"]), A=A32.double(), k=_t(p["k"]))
+    assert d.mean.dtype == d.constraint.A.dtype == torch.float64
+    assert torch.equal(d.entropy(), reference.entropy())
+    assert torch.equal(d.mean, reference.mean)
+
+
 def test_per_example_k_matches_scipy_for_each_example():
     p = _problem()
     c = LinearConstraint(_t(p["A"]))
