@@ -4,7 +4,7 @@ Importing this package registers the KL rules and the support constraints' bijec
 with NumPyro; nothing is patched into ``numpyro.distributions``.
 """
 
-from numpyro_constrained import losses
+from numpyro_constrained import losses, nn
 from numpyro_constrained.conditioned_poisson import ConditionedPoisson
 from numpyro_constrained.exactly_k_bernoulli import ExactlyKBernoulli
 from numpyro_constrained.linear_constrained_normal import LinearConstrainedNormal
@@ -18,5 +18,6 @@ __all__ = [
     "LinearConstrainedNormalReparam",
     "LinearConstraint",
     "losses",
+    "nn",
 ]
 __version__ = "0.1.0"
