@@ -10,7 +10,6 @@ gradient, and the entropy is exact and fast.
 
 from __future__ import annotations
 
-import itertools
 import math
 from functools import partial
 
@@ -27,6 +26,7 @@ from numpyro.util import not_jax_tracer
 
 from constrained_ppl_common.arguments import check_count, check_static_bound, check_value_shape
 from constrained_ppl_common.binomial_tails import bennett_deviation, entropy_log_inverse_tail
+from constrained_ppl_common.enumeration import compositions
 from constrained_ppl_common.exact_integers import (
     check_k_max_bounds_k,
     check_total_in_exact_range,
@@ -425,17 +425,6 @@ def _sample_counts_sequentially(key, log_p, k, *, sample_shape: tuple[int, ...],
     return jnp.moveaxis(counts, 0, -1)
 
 
-def _compositions(n: int, k: int) -> np.ndarray:
-    """All compositions of ``k`` into ``n`` non-negative parts, shape
-    ``(C(k + n - 1, n - 1), n)``, in reverse lexicographic order (stars and bars: the
-    positions of the ``n - 1`` bars among ``k + n - 1`` slots, in lexicographic order)."""
-    rows = []
-    for bars in itertools.combinations(range(k + n - 1), n - 1):
-        edges = (-1,) + bars + (k + n - 1,)
-        rows.append([edges[i + 1] - edges[i] - 1 for i in range(n)])
-    return np.asarray(rows, dtype=np.float64).reshape(-1, n)
-
-
 class ConditionedPoisson(Distribution):
     r"""Independent ``Poisson(rate_i)`` counts conditioned on summing to exactly ``k``.
 
@@ -654,7 +643,7 @@ class ConditionedPoisson(Distribution):
                 f"max_support = {self.max_support}; enumerate only small sites (or raise "
                 "the class attribute max_support)"
             )
-        values = jnp.asarray(_compositions(n, k), dtype=self.rate.dtype)
+        values = jnp.asarray(compositions(n, k), dtype=self.rate.dtype)
         values = values.reshape((count,) + (1,) * len(self.batch_shape) + self.event_shape)
         if expand:
             values = jnp.broadcast_to(values, (count,) + self.batch_shape + self.event_shape)

@@ -5,7 +5,6 @@ The numerical work (log normaliser, marginals, exact sampling) lives in
 logits, validation, shapes and the framework's protocols (pytree, ``vmap_over``, KL).
 """
 
-import itertools
 import math
 import sys
 from functools import partial
@@ -22,6 +21,7 @@ from numpyro.distributions.kl import kl_divergence
 from numpyro.util import not_jax_tracer
 
 from constrained_ppl_common.arguments import check_count, check_static_bound, check_value_shape
+from constrained_ppl_common.enumeration import k_hot_table
 from numpyro_constrained import exactly_k_kernels as kernels
 from numpyro_constrained.validation import (
     as_concrete_where_possible,
@@ -360,7 +360,7 @@ class ExactlyKBernoulli(Distribution):
                 f"max_support = {self.max_support}; enumerate only small sites (or raise "
                 "the class attribute max_support)"
             )
-        table = _k_hot_table(n, k, forced_on, forced_off)
+        table = k_hot_table(n, k, forced_on, forced_off)
         values = jnp.asarray(table, dtype=jnp.result_type(self.logits.dtype))
         values = values.reshape((count,) + (1,) * len(self.batch_shape) + self.event_shape)
         if expand:
@@ -544,24 +544,6 @@ def refuse_scalar_coordinate_consumers(name: str, depth: int = 8) -> None:
                 "`z = support[i]` (then TraceEnum_ELBO, infer_discrete, DiscreteHMCGibbs and "
                 "NUTS with enumeration all work on `i`; see the README)."
             )
-
-
-def _k_hot_table(n: int, k: int, forced_on=(), forced_off=()) -> np.ndarray:
-    """All k-hot 0/1 vectors of length ``n`` with ones at ``forced_on`` and zeros at
-    ``forced_off``, shape ``(count, n)``, in lexicographic order of the positions of their
-    ones."""
-    fixed = set(forced_on) | set(forced_off)
-    free = [i for i in range(n) if i not in fixed]
-    rest = k - len(forced_on)
-    rows = []
-    if 0 <= rest <= len(free):
-        rows = sorted(
-            tuple(sorted(list(forced_on) + list(c))) for c in itertools.combinations(free, rest)
-        )
-    table = np.zeros((len(rows), n))
-    for r, ones in enumerate(rows):
-        table[r, list(ones)] = 1.0
-    return table
 
 
 class _FreeProblem(NamedTuple):

@@ -9,10 +9,8 @@ straight-through marginal-expectation gradient, and the entropy is exact and fas
 
 from __future__ import annotations
 
-import itertools
 import math
 
-import numpy as np
 import torch
 from pyro.distributions import Binomial, TorchDistribution
 from torch.distributions import constraints
@@ -20,6 +18,7 @@ from torch.distributions.kl import register_kl
 
 from constrained_ppl_common.arguments import check_count, check_static_bound, check_value_shape
 from constrained_ppl_common.binomial_tails import bennett_deviation, entropy_log_inverse_tail
+from constrained_ppl_common.enumeration import compositions
 from constrained_ppl_common.exact_integers import (
     check_k_max_bounds_k,
     check_total_in_exact_range,
@@ -530,7 +529,7 @@ class ConditionedPoisson(TorchDistribution):
                 f"max_support = {self.max_support}; enumerate only small sites (or raise "
                 "the class attribute max_support)"
             )
-        table = _compositions(n, k)
+        table = compositions(n, k)
         values = torch.as_tensor(table, dtype=self.rate.dtype, device=self.rate.device)
         values = values.reshape((count,) + (1,) * len(self.batch_shape) + self.event_shape)
         if expand:
@@ -693,17 +692,6 @@ class ConditionedPoisson(TorchDistribution):
             log_factorials = log_c_factorial.sum(-1) - torch.lgamma(k + 1)
             entropy = (log_factorials + (correction.sum(-1) - cross_entropy)).to(dtype)
         return entropy.masked_fill(self._k_is_negative, math.nan)
-
-
-def _compositions(n: int, k: int) -> np.ndarray:
-    """All compositions of ``k`` into ``n`` non-negative parts, shape
-    ``(C(k + n - 1, n - 1), n)``, in reverse lexicographic order (stars and bars: the
-    positions of the ``n - 1`` bars among ``k + n - 1`` slots, in lexicographic order)."""
-    rows = []
-    for bars in itertools.combinations(range(k + n - 1), n - 1):
-        edges = (-1,) + bars + (k + n - 1,)
-        rows.append([edges[i + 1] - edges[i] - 1 for i in range(n)])
-    return np.asarray(rows, dtype=np.float64).reshape(-1, n)
 
 
 def _check_k_is_exact(k: torch.Tensor, dtype: torch.dtype, k_max: int | None) -> None:

@@ -5,10 +5,8 @@ The numerical work (log normaliser, marginals, exact sampling) lives in
 validation, shapes and the framework's protocols.
 """
 
-import itertools
 import math
 
-import numpy as np
 import torch
 from pyro.distributions import Bernoulli, TorchDistribution
 from torch.distributions import Distribution, constraints
@@ -16,6 +14,7 @@ from torch.distributions.kl import register_kl
 from torch.distributions.utils import lazy_property
 
 from constrained_ppl_common.arguments import check_count, check_static_bound, check_value_shape
+from constrained_ppl_common.enumeration import k_hot_table
 from pyro_constrained import exactly_k_kernels as kernels
 
 __all__ = ["ExactlyKBernoulli", "KHot"]
@@ -91,24 +90,6 @@ def _check_support_size(count: int, max_support: int, what: str) -> None:
             f"max_support = {max_support}; enumerate only small sites (or raise the class "
             "attribute max_support)"
         )
-
-
-def _k_hot_table(n: int, k: int, forced_on=(), forced_off=()) -> np.ndarray:
-    """All k-hot 0/1 vectors of length ``n`` with ones at ``forced_on`` and zeros at
-    ``forced_off``, shape ``(count, n)``, in lexicographic order of the positions of their
-    ones."""
-    fixed = set(forced_on) | set(forced_off)
-    free = [i for i in range(n) if i not in fixed]
-    rest = k - len(forced_on)
-    rows = []
-    if 0 <= rest <= len(free):
-        rows = sorted(
-            tuple(sorted(list(forced_on) + list(c))) for c in itertools.combinations(free, rest)
-        )
-    table = np.zeros((len(rows), n))
-    for r, ones in enumerate(rows):
-        table[r, list(ones)] = 1.0
-    return table
 
 
 def _logits_from_probs(probs: torch.Tensor) -> torch.Tensor:
@@ -367,7 +348,7 @@ class ExactlyKBernoulli(TorchDistribution):
         rest = k - len(forced_on)
         count = math.comb(free, rest) if 0 <= rest <= free else 0
         _check_support_size(count, self.max_support, name)
-        table = _k_hot_table(n, k, forced_on, forced_off)
+        table = k_hot_table(n, k, forced_on, forced_off)
         values = torch.as_tensor(table, dtype=self.logits.dtype, device=self.logits.device)
         values = values.reshape((count,) + (1,) * len(self.batch_shape) + self.event_shape)
         if expand:
