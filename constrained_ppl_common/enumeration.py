@@ -32,3 +32,26 @@ def compositions(n: int, k: int) -> np.ndarray:
         edges = (-1,) + bars + (k + n - 1,)
         rows.append([edges[i + 1] - edges[i] - 1 for i in range(n)])
     return np.asarray(rows, dtype=np.float64).reshape(-1, n)
+
+
+def single_count(k, what: str) -> int:
+    """The one value of the counts ``k`` (any array-like) over the batch: enumeration
+    needs one support, so several values are a ``ValueError``."""
+    values = np.unique(np.asarray(k))
+    if values.size != 1:
+        raise ValueError(
+            f"{what}.enumerate_support needs one k for the whole batch (one support), got "
+            f"k = {values.tolist()}; split the site or enumerate each k separately"
+        )
+    return int(values[0])
+
+
+def check_support_size(count: int, max_support: int, what: str) -> None:
+    """A ``ValueError`` when the support has more than ``max_support`` members (checked
+    before anything is built)."""
+    if count > max_support:
+        raise ValueError(
+            f"{what}.enumerate_support: the support has {count} members, more than "
+            f"max_support = {max_support}; enumerate only small sites (or raise the class "
+            "attribute max_support)"
+        )

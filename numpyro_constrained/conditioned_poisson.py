@@ -26,7 +26,7 @@ from numpyro.util import not_jax_tracer
 
 from constrained_ppl_common.arguments import check_count, check_static_bound, check_value_shape
 from constrained_ppl_common.binomial_tails import bennett_deviation, entropy_log_inverse_tail
-from constrained_ppl_common.enumeration import compositions
+from constrained_ppl_common.enumeration import check_support_size, compositions, single_count
 from constrained_ppl_common.exact_integers import (
     check_k_max_bounds_k,
     check_total_in_exact_range,
@@ -626,23 +626,12 @@ class ConditionedPoisson(Distribution):
                     f"{name}.enumerate_support needs a concrete k (the support's size is "
                     "static), got a traced one"
                 )
-            values_k = np.unique(np.asarray(self.k))
-        if values_k.size != 1:
-            raise ValueError(
-                f"{name}.enumerate_support needs one k for the whole batch (one support), "
-                f"got k = {values_k.tolist()}; split the site or enumerate each k separately"
-            )
-        k = int(values_k[0])
+            k = single_count(self.k, name)
         if k < 0:
             raise ValueError(f"{name}.enumerate_support: k = {k} has an empty support")
         n = self.event_shape[0]
         count = math.comb(k + n - 1, n - 1)
-        if count > self.max_support:
-            raise ValueError(
-                f"{name}.enumerate_support: the support has {count} members, more than "
-                f"max_support = {self.max_support}; enumerate only small sites (or raise "
-                "the class attribute max_support)"
-            )
+        check_support_size(count, self.max_support, name)
         values = jnp.asarray(compositions(n, k), dtype=self.rate.dtype)
         values = values.reshape((count,) + (1,) * len(self.batch_shape) + self.event_shape)
         if expand:

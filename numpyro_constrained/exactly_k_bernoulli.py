@@ -21,7 +21,7 @@ from numpyro.distributions.kl import kl_divergence
 from numpyro.util import not_jax_tracer
 
 from constrained_ppl_common.arguments import check_count, check_static_bound, check_value_shape
-from constrained_ppl_common.enumeration import k_hot_table
+from constrained_ppl_common.enumeration import check_support_size, k_hot_table, single_count
 from numpyro_constrained import exactly_k_kernels as kernels
 from numpyro_constrained.validation import (
     as_concrete_where_possible,
@@ -331,14 +331,7 @@ class ExactlyKBernoulli(Distribution):
                     f"{name}.enumerate_support needs a concrete k (the support's size is "
                     "static), got a traced one"
                 )
-            values_k = np.unique(np.asarray(k_all))
-            if values_k.size != 1:
-                raise ValueError(
-                    f"{name}.enumerate_support needs one k for the whole batch (one "
-                    f"support), got k = {values_k.tolist()}; split the site or enumerate "
-                    "each k separately"
-                )
-            k = int(values_k[0])
+            k = single_count(k_all, name)
             forced_on, forced_off = [], []
             if not_jax_tracer(logits):
                 flat = np.asarray(logits).reshape(-1, n)
@@ -354,12 +347,7 @@ class ExactlyKBernoulli(Distribution):
         free = n - len(forced_on) - len(forced_off)
         rest = k - len(forced_on)
         count = math.comb(free, rest) if 0 <= rest <= free else 0
-        if count > self.max_support:
-            raise ValueError(
-                f"{name}.enumerate_support: the support has {count} members, more than "
-                f"max_support = {self.max_support}; enumerate only small sites (or raise "
-                "the class attribute max_support)"
-            )
+        check_support_size(count, self.max_support, name)
         table = k_hot_table(n, k, forced_on, forced_off)
         values = jnp.asarray(table, dtype=jnp.result_type(self.logits.dtype))
         values = values.reshape((count,) + (1,) * len(self.batch_shape) + self.event_shape)

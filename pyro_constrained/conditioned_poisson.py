@@ -18,7 +18,7 @@ from torch.distributions.kl import register_kl
 
 from constrained_ppl_common.arguments import check_count, check_static_bound, check_value_shape
 from constrained_ppl_common.binomial_tails import bennett_deviation, entropy_log_inverse_tail
-from constrained_ppl_common.enumeration import compositions
+from constrained_ppl_common.enumeration import check_support_size, compositions, single_count
 from constrained_ppl_common.exact_integers import (
     check_k_max_bounds_k,
     check_total_in_exact_range,
@@ -512,23 +512,12 @@ class ConditionedPoisson(TorchDistribution):
         ``ValueError``). ``count = C(k + n - 1, n - 1)`` is computed before anything is
         built; above ``max_support`` it is a ``ValueError``."""
         name = type(self).__name__
-        values_k = torch.unique(self.k)
-        if values_k.numel() != 1:
-            raise ValueError(
-                f"{name}.enumerate_support needs one k for the whole batch (one support), "
-                f"got k = {values_k.tolist()}; split the site or enumerate each k separately"
-            )
-        k = int(values_k.item())
+        k = single_count(self.k.detach().cpu().numpy(), name)
         if k < 0:
             raise ValueError(f"{name}.enumerate_support: k = {k} has an empty support")
         n = self.event_shape[0]
         count = math.comb(k + n - 1, n - 1)
-        if count > self.max_support:
-            raise ValueError(
-                f"{name}.enumerate_support: the support has {count} members, more than "
-                f"max_support = {self.max_support}; enumerate only small sites (or raise "
-                "the class attribute max_support)"
-            )
+        check_support_size(count, self.max_support, name)
         table = compositions(n, k)
         values = torch.as_tensor(table, dtype=self.rate.dtype, device=self.rate.device)
         values = values.reshape((count,) + (1,) * len(self.batch_shape) + self.event_shape)

@@ -14,7 +14,7 @@ from torch.distributions.kl import register_kl
 from torch.distributions.utils import lazy_property
 
 from constrained_ppl_common.arguments import check_count, check_static_bound, check_value_shape
-from constrained_ppl_common.enumeration import k_hot_table
+from constrained_ppl_common.enumeration import check_support_size, k_hot_table, single_count
 from pyro_constrained import exactly_k_kernels as kernels
 
 __all__ = ["ExactlyKBernoulli", "KHot"]
@@ -69,27 +69,6 @@ def _value_with_gradient_of(value: torch.Tensor, formula: torch.Tensor) -> torch
     floating point; where the formula is not finite, ``value`` alone."""
     difference = formula - formula.detach()
     return value + torch.where(torch.isfinite(formula), difference, 0.0)
-
-
-def _single_count(k: torch.Tensor, what: str) -> int:
-    """The one value of ``k`` over the batch (enumeration needs one support), else a
-    ``ValueError``."""
-    values = torch.unique(k)
-    if values.numel() != 1:
-        raise ValueError(
-            f"{what}.enumerate_support needs one k for the whole batch (one support), got "
-            f"k = {values.tolist()}; split the site or enumerate each k separately"
-        )
-    return int(values.item())
-
-
-def _check_support_size(count: int, max_support: int, what: str) -> None:
-    if count > max_support:
-        raise ValueError(
-            f"{what}.enumerate_support: the support has {count} members, more than "
-            f"max_support = {max_support}; enumerate only small sites (or raise the class "
-            "attribute max_support)"
-        )
 
 
 def _logits_from_probs(probs: torch.Tensor) -> torch.Tensor:
@@ -330,7 +309,7 @@ class ExactlyKBernoulli(TorchDistribution):
         ``ValueError``). ``count = C(n_free, k - n_on)`` is computed before anything is
         built; above ``max_support`` it is a ``ValueError``."""
         name = type(self).__name__
-        k = _single_count(self.k, name)
+        k = single_count(self.k.detach().cpu().numpy(), name)
         n = self.event_shape[0]
         on = self.logits == torch.inf
         off = self.logits == -torch.inf
@@ -347,7 +326,7 @@ class ExactlyKBernoulli(TorchDistribution):
         free = n - len(forced_on) - len(forced_off)
         rest = k - len(forced_on)
         count = math.comb(free, rest) if 0 <= rest <= free else 0
-        _check_support_size(count, self.max_support, name)
+        check_support_size(count, self.max_support, name)
         table = k_hot_table(n, k, forced_on, forced_off)
         values = torch.as_tensor(table, dtype=self.logits.dtype, device=self.logits.device)
         values = values.reshape((count,) + (1,) * len(self.batch_shape) + self.event_shape)
