@@ -20,8 +20,8 @@ from numpyro.distributions.distribution import Distribution
 from numpyro.distributions.kl import kl_divergence
 from numpyro.util import not_jax_tracer
 
-from constrained_ppl_common.arguments import check_count, check_static_bound, check_value_shape
-from constrained_ppl_common.enumeration import check_support_size, k_hot_table, single_count
+from constrained_ppl.arguments import check_count, check_static_bound, check_value_shape
+from constrained_ppl.enumeration import check_support_size, k_hot_table, single_count
 from numpyro_constrained import exactly_k_kernels as kernels
 from numpyro_constrained.validation import (
     as_concrete_where_possible,

@@ -25,7 +25,7 @@ from numpyro.distributions.kl import kl_divergence
 from numpyro.distributions.transforms import Transform, biject_to
 from numpyro.util import not_jax_tracer
 
-from constrained_ppl_common.arguments import check_value_shape
+from constrained_ppl.arguments import check_value_shape
 from numpyro_constrained.linear_constraint import (
     LinearConstraint,
     _after,

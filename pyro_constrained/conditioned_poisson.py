@@ -16,10 +16,10 @@ from pyro.distributions import Binomial, TorchDistribution
 from torch.distributions import constraints
 from torch.distributions.kl import register_kl
 
-from constrained_ppl_common.arguments import check_count, check_static_bound, check_value_shape
-from constrained_ppl_common.binomial_tails import bennett_deviation, entropy_log_inverse_tail
-from constrained_ppl_common.enumeration import check_support_size, compositions, single_count
-from constrained_ppl_common.exact_integers import (
+from constrained_ppl.arguments import check_count, check_static_bound, check_value_shape
+from constrained_ppl.binomial_tails import bennett_deviation, entropy_log_inverse_tail
+from constrained_ppl.enumeration import check_support_size, compositions, single_count
+from constrained_ppl.exact_integers import (
     check_k_max_bounds_k,
     check_total_in_exact_range,
     largest_exact_integer,
@@ -409,7 +409,7 @@ class ConditionedPoisson(TorchDistribution):
 
     ``k``: an int, an integer tensor, or whole-number floats (``3.0``, as
     ``Binomial.total_count``); ``3.5``, a bool, a complex number or NaN is a ``ValueError``
-    whatever ``validate_args`` says (`constrained_ppl_common.arguments.check_count`), as in
+    whatever ``validate_args`` says (`constrained_ppl.arguments.check_count`), as in
     ``numpyro_constrained``. A negative ``k`` is a ``ValueError`` with validation on; with
     it off it gives ``-inf`` log-probabilities and NaN ``mean``, ``variance``, ``entropy``
     and samples, never a finite number.

@@ -13,8 +13,8 @@ from torch.distributions import Distribution, constraints
 from torch.distributions.kl import register_kl
 from torch.distributions.utils import lazy_property
 
-from constrained_ppl_common.arguments import check_count, check_static_bound, check_value_shape
-from constrained_ppl_common.enumeration import check_support_size, k_hot_table, single_count
+from constrained_ppl.arguments import check_count, check_static_bound, check_value_shape
+from constrained_ppl.enumeration import check_support_size, k_hot_table, single_count
 from pyro_constrained import exactly_k_kernels as kernels
 
 __all__ = ["ExactlyKBernoulli", "KHot"]

@@ -17,7 +17,7 @@ from torch.distributions.kl import register_kl
 from torch.distributions.transforms import Transform
 from torch.distributions.utils import _standard_normal, lazy_property
 
-from constrained_ppl_common.arguments import check_value_shape
+from constrained_ppl.arguments import check_value_shape
 from pyro_constrained.linear_constraint import (
     LinearConstraint,
     _as_float_tensor,

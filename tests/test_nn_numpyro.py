@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import scipy.optimize
 
-from constrained_ppl_showcase.process_simulator import relative_violation, simulate
+from constrained_ppl.showcase.process_simulator import relative_violation, simulate
 from numpyro_constrained import LinearConstraint
 from numpyro_constrained.nn import (
     calibrate_head,

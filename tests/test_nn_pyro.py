@@ -10,7 +10,7 @@ import pytest
 import scipy.optimize
 import torch
 
-from constrained_ppl_showcase.process_simulator import relative_violation, simulate
+from constrained_ppl.showcase.process_simulator import relative_violation, simulate
 from pyro_constrained import LinearConstraint
 from pyro_constrained.nn import LinearConstrainedNormalHead
 from tests.oracles import linear_gaussian as oracle
