@@ -32,6 +32,7 @@ from constrained_ppl_common.exact_integers import (
     check_total_in_exact_range,
     largest_exact_integer,
 )
+from numpyro_constrained._repr import parameters_repr
 from numpyro_constrained.exactly_k_bernoulli import refuse_scalar_coordinate_consumers
 from numpyro_constrained.validation import as_concrete_where_possible, warn_if_out_of_support
 
@@ -736,6 +737,11 @@ class ConditionedPoisson(Distribution):
         if self._validate_args:
             warn_if_out_of_support(lambda: _is_integer_composition(value, self.k)[0])
         return self._mask_out_of_range_k(log_prob, -jnp.inf, event=False)
+
+    def __repr__(self) -> str:
+        return parameters_repr(
+            type(self).__name__, {"rate": self.rate, "k": self.k}, integers=("k",)
+        )
 
     def sample(self, key, sample_shape: tuple[int, ...] = ()):
         """An exact sample ``z`` returned as ``z + (m - stop_gradient(m))`` with ``m = k p``:

@@ -23,6 +23,7 @@ from numpyro.util import not_jax_tracer
 from constrained_ppl_common.arguments import check_count, check_static_bound, check_value_shape
 from constrained_ppl_common.enumeration import check_support_size, k_hot_table, single_count
 from numpyro_constrained import exactly_k_kernels as kernels
+from numpyro_constrained._repr import parameters_repr
 from numpyro_constrained.validation import (
     as_concrete_where_possible,
     is_concrete,
@@ -384,6 +385,11 @@ class ExactlyKBernoulli(Distribution):
             # A support that also depends on the infinite logits.
             warn_if_out_of_support(lambda: _in_support(self.logits, self.k, value))
         return log_prob
+
+    def __repr__(self) -> str:
+        return parameters_repr(
+            type(self).__name__, {"logits": self.logits, "k": self.k}, integers=("k",)
+        )
 
     def sample(self, key, sample_shape=()) -> jax.Array:
         """An exact draw ``z`` (0.0 / 1.0 entries summing to k) carrying the straight-through

@@ -26,6 +26,7 @@ from numpyro.distributions.transforms import Transform, biject_to
 from numpyro.util import not_jax_tracer
 
 from constrained_ppl_common.arguments import check_value_shape
+from numpyro_constrained._repr import parameters_repr
 from numpyro_constrained.linear_constraint import (
     LinearConstraint,
     _after,
@@ -895,6 +896,13 @@ class LinearConstrainedNormal(Distribution):
             self._basis_t,
             self._r_inv_t,
             diagonal=self._diagonal,
+        )
+
+    def __repr__(self) -> str:
+        # The covariance argument as stored: scale (diagonal) or its Cholesky factor.
+        covariance = {"scale" if self._diagonal else "scale_tril": self._factor}
+        return parameters_repr(
+            type(self).__name__, {"loc": self.loc, **covariance, "A": self.A, "k": self.k}
         )
 
     def sample(self, key: jax.Array, sample_shape: tuple[int, ...] = ()) -> jax.Array:

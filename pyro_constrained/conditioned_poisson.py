@@ -24,6 +24,7 @@ from constrained_ppl_common.exact_integers import (
     check_total_in_exact_range,
     largest_exact_integer,
 )
+from pyro_constrained._repr import parameters_repr
 
 __all__ = ["ConditionedPoisson", "integer_composition", "positive_finite"]
 
@@ -638,6 +639,11 @@ class ConditionedPoisson(TorchDistribution):
         # A negative k (validation off) has no value in its support.
         log_prob = torch.where(in_support, log_prob, -math.inf)
         return log_prob.to(dtype)
+
+    def __repr__(self) -> str:
+        return parameters_repr(
+            type(self).__name__, {"rate": self.rate, "k": self.k}, integers=("k",)
+        )
 
     def sample(self, sample_shape=_EMPTY_SIZE) -> torch.Tensor:
         """An exact sample (no gradient); NaN where ``k < 0``."""

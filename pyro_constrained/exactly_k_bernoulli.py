@@ -16,6 +16,7 @@ from torch.distributions.utils import lazy_property
 from constrained_ppl_common.arguments import check_count, check_static_bound, check_value_shape
 from constrained_ppl_common.enumeration import check_support_size, k_hot_table, single_count
 from pyro_constrained import exactly_k_kernels as kernels
+from pyro_constrained._repr import parameters_repr
 
 __all__ = ["ExactlyKBernoulli", "KHot"]
 
@@ -446,8 +447,8 @@ class ExactlyKBernoulli(TorchDistribution):
         return batch_shape, torch.Size(shape[-1:])
 
     def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(logits: {tuple(self.logits.shape)}, k: {tuple(self.k.shape)})"
+        return parameters_repr(
+            type(self).__name__, {"logits": self.logits, "k": self.k}, integers=("k",)
         )
 
 

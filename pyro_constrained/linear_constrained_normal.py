@@ -18,6 +18,7 @@ from torch.distributions.transforms import Transform
 from torch.distributions.utils import _standard_normal, lazy_property
 
 from constrained_ppl_common.arguments import check_value_shape
+from pyro_constrained._repr import parameters_repr
 from pyro_constrained.linear_constraint import (
     LinearConstraint,
     _as_float_tensor,
@@ -652,6 +653,13 @@ class LinearConstrainedNormal(TorchDistribution):
         else:
             z = self._mean + _rows_times(self.scale_tril, projected)
         return self._refine(z)
+
+    def __repr__(self) -> str:
+        # The covariance argument as stored: scale (diagonal) or its Cholesky factor.
+        covariance = {"scale": self.scale} if self._diagonal else {"scale_tril": self.scale_tril}
+        return parameters_repr(
+            type(self).__name__, {"loc": self.loc, **covariance, "A": self.A, "k": self.k}
+        )
 
     def rsample(self, sample_shape: tuple[int, ...] = ()) -> torch.Tensor:
         """An exact sample; its gradient is the one chosen by ``grad_estimator``."""
