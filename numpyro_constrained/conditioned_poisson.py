@@ -479,6 +479,27 @@ class ConditionedPoisson(Distribution):
     :param k_max: a static upper bound on ``k`` (a Python int), needed only where ``k`` is
         traced (an argument of ``jit``, ``vmap``, ``scan``): with it, sampling keeps the
         categorical sampler, and ``entropy`` and the expected L1 loss are possible.
+
+    Examples
+    --------
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import numpy as np
+    >>> import numpyro.distributions as dist
+    >>> from numpyro_constrained import ConditionedPoisson
+    >>> rate = jnp.array([1.0, 2.0, 5.0])
+    >>> d = ConditionedPoisson(rate, k=8)
+    >>> d
+    ConditionedPoisson(rate: (3,), k: 8)
+    >>> np.round(d.mean, 4).tolist()  # k p, with p = rate / sum(rate)
+    [1.0, 2.0, 5.0]
+    >>> z = d.sample(jax.random.PRNGKey(0), (4,))  # exact integer draws summing to 8
+    >>> z.shape, bool((z.sum(-1) == 8).all()), bool((z == jnp.round(z)).all())
+    ((4, 3), True, True)
+    >>> value = jnp.array([1.0, 2.0, 5.0])
+    >>> multinomial = dist.Multinomial(8, probs=rate / rate.sum())
+    >>> bool(jnp.isclose(d.log_prob(value), multinomial.log_prob(value)))
+    True
     """
 
     arg_constraints = {

@@ -143,6 +143,26 @@ class ExactlyKBernoulli(Distribution):
     concrete value outside the support warns (NumPyro's "Out-of-support values" warning)
     and returns ``-inf``; a value whose shape does not end in the event shape or does not
     broadcast with the batch shape is a ``ValueError`` always.
+
+    Examples
+    --------
+    >>> import math
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> from numpyro_constrained import ExactlyKBernoulli
+    >>> d = ExactlyKBernoulli(logits=jnp.array([2.0, 0.0, -1.0, 0.5]), k=2)
+    >>> d
+    ExactlyKBernoulli(logits: (4,), k: 2)
+    >>> z = d.sample(jax.random.PRNGKey(0), (3,))  # exact 2-hot draws, SIMPLE gradient
+    >>> z.shape, bool((z.sum(-1) == 2).all())
+    ((3, 4), True)
+    >>> round(float(d.mean.sum()), 4)  # the inclusion probabilities sum to k
+    2.0
+    >>> support = d.enumerate_support()  # the C(4, 2) = 6 two-hot vectors
+    >>> support.shape, round(float(jnp.exp(d.log_prob(support)).sum()), 4)
+    ((6, 4), 1.0)
+    >>> bool(d.entropy() < math.log(6))  # below the uniform k-subset's entropy
+    True
     """
 
     # probs first: given probs, the logits derived from them are NaN where probs are invalid,

@@ -477,6 +477,27 @@ class LinearConstrainedNormal(Distribution):
         by default 64 eps of the dtype (see :class:`LinearConstraint`). Set it to the
         precision of measured data that satisfies its balances only to that precision.
     :param grad_estimator: ``"marginal_expectation"`` or ``"pathwise"``.
+
+    Examples
+    --------
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import numpy as np
+    >>> from numpyro_constrained import LinearConstrainedNormal
+    >>> d = LinearConstrainedNormal(jnp.zeros(3), jnp.ones(3), k=1.0)  # z1 + z2 + z3 = 1
+    >>> d
+    LinearConstrainedNormal(loc: (3,), scale: (3,), A: (1, 3), k: 1.0)
+    >>> np.round(d.mean, 4).tolist()
+    [0.3333, 0.3333, 0.3333]
+    >>> z = d.sample(jax.random.PRNGKey(0), (2,))  # exact draws on the plane
+    >>> z.shape, bool(jnp.allclose(z.sum(-1), 1.0, atol=1e-5))
+    ((2, 3), True)
+    >>> A = jnp.array([[1.0, 1.0, 0.0], [0.0, 1.0, -1.0]])  # two equalities
+    >>> d2 = LinearConstrainedNormal(jnp.zeros(3), jnp.ones(3), A=A, k=jnp.array([1.0, 0.0]))
+    >>> bool(jnp.allclose(A @ d2.mean, jnp.array([1.0, 0.0]), atol=1e-5))
+    True
+    >>> int(jnp.linalg.matrix_rank(d2.covariance_matrix))  # n - a = 1
+    1
     """
 
     arg_constraints = {

@@ -24,13 +24,43 @@ from numpyro_constrained.linear_constrained_normal import LinearConstrainedNorma
 
 @singledispatch
 def expected_l1_loss(dist, target: jax.Array) -> jax.Array:
-    """Expected L1 distance E ||z - target||_1 of a sample z ~ dist from target."""
+    """Expected L1 distance E ||z - target||_1 of a sample z ~ dist from target.
+
+    Examples
+    --------
+    Against the average over the enumerated support:
+
+    >>> import jax.numpy as jnp
+    >>> from numpyro_constrained import ExactlyKBernoulli
+    >>> from numpyro_constrained.losses import expected_l1_loss
+    >>> d = ExactlyKBernoulli(jnp.array([1.0, 0.0, -1.0]), k=1)
+    >>> y = jnp.array([1.0, 0.0, 0.0])
+    >>> support = d.enumerate_support()
+    >>> brute_force = (jnp.exp(d.log_prob(support)) * jnp.abs(support - y).sum(-1)).sum()
+    >>> bool(jnp.isclose(expected_l1_loss(d, y), brute_force))
+    True
+    """
     raise NotImplementedError(f"no closed-form expected L1 loss for {type(dist).__name__}")
 
 
 @singledispatch
 def expected_l2_loss(dist, target: jax.Array) -> jax.Array:
-    """Expected squared L2 distance E ||z - target||_2^2 of z ~ dist from target."""
+    """Expected squared L2 distance E ||z - target||_2^2 of z ~ dist from target.
+
+    Examples
+    --------
+    Against the average over the enumerated support:
+
+    >>> import jax.numpy as jnp
+    >>> from numpyro_constrained import ConditionedPoisson
+    >>> from numpyro_constrained.losses import expected_l2_loss
+    >>> d = ConditionedPoisson(jnp.array([1.0, 2.0, 5.0]), k=4)
+    >>> y = jnp.array([1.0, 1.0, 2.0])
+    >>> support = d.enumerate_support()
+    >>> brute_force = (jnp.exp(d.log_prob(support)) * ((support - y) ** 2).sum(-1)).sum()
+    >>> bool(jnp.isclose(expected_l2_loss(d, y), brute_force))
+    True
+    """
     raise NotImplementedError(f"no closed-form expected L2 loss for {type(dist).__name__}")
 
 

@@ -425,6 +425,24 @@ class ConditionedPoisson(TorchDistribution):
         ``numpyro_constrained``, where it sizes jitted tables when ``k`` is traced; here
         ``k`` is always concrete, so it is only checked: a ``k`` above it is a
         ``ValueError``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from pyro_constrained import ConditionedPoisson
+    >>> rate = torch.tensor([1.0, 2.0, 5.0])
+    >>> d = ConditionedPoisson(rate, k=8)
+    >>> d
+    ConditionedPoisson(rate: torch.Size([3]), k: 8)
+    >>> d.mean  # k p, with p = rate / sum(rate)
+    tensor([1., 2., 5.])
+    >>> z = d.sample((4,))  # exact integer draws summing to 8
+    >>> z.shape, bool((z.sum(-1) == 8).all()), bool((z == z.round()).all())
+    (torch.Size([4, 3]), True, True)
+    >>> value = torch.tensor([1.0, 2.0, 5.0])
+    >>> multinomial = torch.distributions.Multinomial(8, probs=rate / rate.sum())
+    >>> bool(torch.isclose(d.log_prob(value), multinomial.log_prob(value)))
+    True
     """
 
     arg_constraints = {

@@ -118,6 +118,25 @@ class ExactlyKBernoulli(TorchDistribution):
 
     ``rsample`` returns an exact k-hot sample ``z`` whose gradient is that of the conditional
     marginals ``mu`` (the SIMPLE estimator): ``z + (mu - mu.detach())``.
+
+    Examples
+    --------
+    >>> import math
+    >>> import torch
+    >>> from pyro_constrained import ExactlyKBernoulli
+    >>> d = ExactlyKBernoulli(logits=torch.tensor([2.0, 0.0, -1.0, 0.5]), k=2)
+    >>> d
+    ExactlyKBernoulli(logits: torch.Size([4]), k: 2)
+    >>> z = d.rsample((3,))  # exact 2-hot draws carrying the SIMPLE gradient
+    >>> z.shape, bool((z.sum(-1) == 2).all())
+    (torch.Size([3, 4]), True)
+    >>> round(float(d.mean.sum()), 4)  # the inclusion probabilities sum to k
+    2.0
+    >>> support = d.enumerate_support()  # the C(4, 2) = 6 two-hot vectors
+    >>> support.shape, round(float(d.log_prob(support).exp().sum()), 4)
+    (torch.Size([6, 4]), 1.0)
+    >>> bool(d.entropy() < math.log(6))  # below the uniform k-subset's entropy
+    True
     """
 
     # probs first: given probs, the logits derived from them are NaN where probs are invalid,

@@ -262,6 +262,26 @@ class LinearConstrainedNormal(TorchDistribution):
         by default 64 eps of the dtype (see :class:`LinearConstraint`). Set it to the
         precision of measured data that satisfies its balances only to that precision.
     :param grad_estimator: ``"marginal_expectation"`` or ``"pathwise"``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from pyro_constrained import LinearConstrainedNormal
+    >>> d = LinearConstrainedNormal(torch.zeros(3), torch.ones(3), k=1.0)  # z1 + z2 + z3 = 1
+    >>> d  # doctest: +NORMALIZE_WHITESPACE
+    LinearConstrainedNormal(loc: torch.Size([3]), scale: torch.Size([3]),
+                            A: torch.Size([1, 3]), k: 1.0)
+    >>> d.mean
+    tensor([0.3333, 0.3333, 0.3333])
+    >>> z = d.rsample((2,))  # exact draws on the plane, reparameterised
+    >>> z.shape, torch.allclose(z.sum(-1), torch.ones(2))
+    (torch.Size([2, 3]), True)
+    >>> A = torch.tensor([[1.0, 1.0, 0.0], [0.0, 1.0, -1.0]])  # two equalities
+    >>> d2 = LinearConstrainedNormal(torch.zeros(3), torch.ones(3), A=A, k=torch.tensor([1.0, 0.0]))
+    >>> torch.allclose(A @ d2.mean, torch.tensor([1.0, 0.0]))
+    True
+    >>> torch.linalg.matrix_rank(d2.covariance_matrix).item()  # n - a = 1
+    1
     """
 
     arg_constraints = {

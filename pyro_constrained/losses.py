@@ -22,13 +22,43 @@ from pyro_constrained.linear_constrained_normal import LinearConstrainedNormal
 
 @singledispatch
 def expected_l1_loss(dist, target: torch.Tensor) -> torch.Tensor:
-    """Expected L1 distance E ||z - target||_1 of a sample z ~ dist from target."""
+    """Expected L1 distance E ||z - target||_1 of a sample z ~ dist from target.
+
+    Examples
+    --------
+    Against the average over the enumerated support:
+
+    >>> import torch
+    >>> from pyro_constrained import ExactlyKBernoulli
+    >>> from pyro_constrained.losses import expected_l1_loss
+    >>> d = ExactlyKBernoulli(torch.tensor([1.0, 0.0, -1.0]), k=1)
+    >>> y = torch.tensor([1.0, 0.0, 0.0])
+    >>> support = d.enumerate_support()
+    >>> brute_force = (d.log_prob(support).exp() * (support - y).abs().sum(-1)).sum()
+    >>> bool(torch.isclose(expected_l1_loss(d, y), brute_force))
+    True
+    """
     raise NotImplementedError(f"no closed-form expected L1 loss for {type(dist).__name__}")
 
 
 @singledispatch
 def expected_l2_loss(dist, target: torch.Tensor) -> torch.Tensor:
-    """Expected squared L2 distance E ||z - target||_2^2 of z ~ dist from target."""
+    """Expected squared L2 distance E ||z - target||_2^2 of z ~ dist from target.
+
+    Examples
+    --------
+    Against the average over the enumerated support:
+
+    >>> import torch
+    >>> from pyro_constrained import ConditionedPoisson
+    >>> from pyro_constrained.losses import expected_l2_loss
+    >>> d = ConditionedPoisson(torch.tensor([1.0, 2.0, 5.0]), k=4)
+    >>> y = torch.tensor([1.0, 1.0, 2.0])
+    >>> support = d.enumerate_support()
+    >>> brute_force = (d.log_prob(support).exp() * ((support - y) ** 2).sum(-1)).sum()
+    >>> bool(torch.isclose(expected_l2_loss(d, y), brute_force))
+    True
+    """
     raise NotImplementedError(f"no closed-form expected L2 loss for {type(dist).__name__}")
 
 

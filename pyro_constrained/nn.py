@@ -99,6 +99,24 @@ class LinearConstrainedNormalHead(nn.Module):
     :param output_loc: (n,) offset of the outputs (default 0).
     :param output_scale: (n,) positive scale of the outputs (default 1).
     :param validate_args: passed to the distributions the head builds.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from pyro_constrained import LinearConstrainedNormalHead, LinearConstraint
+    >>> _ = torch.manual_seed(0)
+    >>> constraint = LinearConstraint(torch.tensor([[1.0, 1.0, 1.0]]))  # y1 + y2 + y3 = k
+    >>> head = LinearConstrainedNormalHead(4, constraint)
+    >>> features, k = torch.randn(5, 4), torch.randn(5, 1)
+    >>> prediction = head(features, k)  # one LinearConstrainedNormal per example
+    >>> prediction.batch_shape, prediction.event_shape
+    (torch.Size([5]), torch.Size([3]))
+    >>> torch.allclose(prediction.mean.sum(-1), k[:, 0], atol=1e-5)
+    True
+    >>> target = constraint.project(torch.randn(5, 3), k)
+    >>> loss = head.loss(features, k, target)  # the default recipe, "mse+nll"
+    >>> loss.shape, loss.requires_grad
+    (torch.Size([]), True)
     """
 
     def __init__(
