@@ -1,11 +1,11 @@
 """Independent Poissons conditioned on their sum: ``ConditionedPoisson(rate, k=k)``.
 
 ``z_i ~ Poisson(rate_i)`` independently, conditioned on ``sum_i z_i = k``, is
-``Multinomial(k, p)`` with ``p = rate / sum(rate)`` (MATH.md section 3). Unlike
-``numpyro.distributions.Multinomial``, ``k`` may vary over the batch (bags with different
-known totals) and be traced under ``jit`` / ``vmap``, the support check demands
-``sum z == k`` exactly, ``sample`` carries the straight-through marginal-expectation
-gradient, and the entropy is exact and fast.
+``Multinomial(k, p)`` with ``p = rate / sum(rate)`` (docs/distributions/conditioned_poisson.md).
+Unlike ``numpyro.distributions.Multinomial``, ``k`` may vary over the batch (bags with different
+known totals) and be traced under ``jit`` / ``vmap``, the support check demands ``sum z == k``
+exactly, ``sample`` carries the straight-through marginal-expectation gradient, and the entropy is
+exact and fast.
 """
 
 from __future__ import annotations
@@ -439,9 +439,10 @@ class ConditionedPoisson(Distribution):
     shape is the broadcast of the two, the event shape ``rate.shape[-1:]``.
 
     ``sample`` returns an exact sample whose gradient is the straight-through
-    marginal-expectation estimator through ``E[z] = k p`` (MATH.md section 4): the value is
-    exactly integer and sums exactly to ``k``; ``has_rsample`` is true, so ``Trace_ELBO``
-    treats the site as reparameterised. ``marginals`` are ``Binomial(k, p_i)``.
+    marginal-expectation estimator through ``E[z] = k p``
+    (docs/distributions/gradient_estimators.md): the value is exactly integer and sums exactly to
+    ``k``; ``has_rsample`` is true, so ``Trace_ELBO`` treats the site as reparameterised.
+    ``marginals`` are ``Binomial(k, p_i)``.
 
     Numerics: ``p`` is normalised in log space, and ``log_prob``, ``entropy``, ``mean``,
     ``variance``, KL and ``log_constraint_prob`` accumulate in float64 where JAX has it

@@ -1,4 +1,7 @@
-"""The linear equality constraint ``A z = k``, validated and factorised once (MATH.md section 2).
+"""The linear equality constraint ``A z = k``, validated and factorised once.
+
+The math: ``docs/distributions/linear_constrained_normal.md``.
+
 
 Holds :class:`LinearConstraint` (a pytree: its cached factorisation is data, so it passes
 through ``jit``, ``vmap`` and ``lax.scan`` without being recomputed) and the linear algebra

@@ -1,10 +1,10 @@
 """Independent Poissons conditioned on their sum: ``ConditionedPoisson(rate, k=k)``.
 
 ``z_i ~ Poisson(rate_i)`` independently, conditioned on ``sum_i z_i = k``, is
-``Multinomial(k, p)`` with ``p = rate / sum(rate)`` (MATH.md section 3). Unlike
-``torch.distributions.Multinomial``, ``k`` may vary over the batch (bags with different
-known totals), the support check demands ``sum z == k`` exactly, ``rsample`` carries the
-straight-through marginal-expectation gradient, and the entropy is exact and fast.
+``Multinomial(k, p)`` with ``p = rate / sum(rate)`` (docs/distributions/conditioned_poisson.md).
+Unlike ``torch.distributions.Multinomial``, ``k`` may vary over the batch (bags with different known
+totals), the support check demands ``sum z == k`` exactly, ``rsample`` carries the straight-through
+marginal-expectation gradient, and the entropy is exact and fast.
 """
 
 from __future__ import annotations
@@ -396,10 +396,10 @@ class ConditionedPoisson(TorchDistribution):
     shape is the broadcast of the two, the event shape ``rate.shape[-1:]``.
 
     ``rsample`` returns an exact sample whose gradient is the straight-through
-    marginal-expectation estimator through ``E[z] = k p`` (MATH.md section 4): the value is
-    exactly integer and sums exactly to ``k``. ``marginals`` are ``Binomial(k, p_i)``.
-    ``sample``, ``rsample`` and ``log_prob`` use no in-place op, so that they run under
-    ``torch.jit.trace`` (``JitTrace_ELBO`` and its kin).
+    marginal-expectation estimator through ``E[z] = k p``
+    (docs/distributions/gradient_estimators.md): the value is exactly integer and sums exactly to
+    ``k``. ``marginals`` are ``Binomial(k, p_i)``. ``sample``, ``rsample`` and ``log_prob`` use no
+    in-place op, so that they run under ``torch.jit.trace`` (``JitTrace_ELBO`` and its kin).
 
     Numerics: ``p`` is normalised in log space in float64 (rates from 1e-300 to 1e300
     side by side are fine), and ``log_prob``, ``entropy``, ``mean``, ``variance``, KL and

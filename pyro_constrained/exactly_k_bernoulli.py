@@ -1,4 +1,7 @@
-"""ExactlyKBernoulli: independent Bernoullis conditioned on exactly k ones (MATH.md section 1).
+"""ExactlyKBernoulli: independent Bernoullis conditioned on exactly k ones.
+
+The math: ``docs/distributions/exactly_k_bernoulli.md``.
+
 
 The numerical work (log normaliser, marginals, exact sampling) lives in
 :mod:`pyro_constrained.exactly_k_kernels`; this module handles parameters, infinite logits,

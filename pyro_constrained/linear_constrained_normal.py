@@ -1,4 +1,7 @@
-"""A Gaussian conditioned on linear equalities ``A z = k`` (MATH.md section 2).
+"""A Gaussian conditioned on linear equalities ``A z = k``.
+
+The math: ``docs/distributions/linear_constrained_normal.md``.
+
 
 Holds :class:`LinearConstrainedNormal`, its support constraint (the affine subspace
 ``{z : A z = k}``), the isometric bijection from ``R^(n - a)`` onto that subspace (registered

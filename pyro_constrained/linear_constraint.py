@@ -1,4 +1,7 @@
-"""The linear equality constraint ``A z = k``, validated and factorised once (MATH.md section 2).
+"""The linear equality constraint ``A z = k``, validated and factorised once.
+
+The math: ``docs/distributions/linear_constrained_normal.md``.
+
 
 Holds :class:`LinearConstraint` and the linear algebra that it and
 :class:`~pyro_constrained.linear_constrained_normal.LinearConstrainedNormal` share: products

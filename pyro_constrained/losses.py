@@ -3,7 +3,8 @@
 ``expected_l1_loss(dist, target) = E_{z ~ dist} ||z - target||_1`` and
 ``expected_l2_loss(dist, target) = E_{z ~ dist} ||z - target||_2^2``, summed over the
 event dimension: one value per batch element, differentiable in the distribution's
-parameters (MATH.md section 5). The target should satisfy the distribution's constraint.
+parameters (the closed forms on each page of ``docs/distributions/``). The target should satisfy the
+distribution's constraint.
 
 The generic functions dispatch on the type of the distribution, as ``kl_divergence``
 finds a KL rule; each distribution's closed forms are registered in a section of its own
@@ -62,7 +63,7 @@ def expected_l2_loss(dist, target: torch.Tensor) -> torch.Tensor:
     raise NotImplementedError(f"no closed-form expected L2 loss for {type(dist).__name__}")
 
 
-# ExactlyKBernoulli, with mu the conditional marginals (MATH.md section 5):
+# ExactlyKBernoulli, with mu the conditional marginals (docs/distributions/exactly_k_bernoulli.md):
 # E||z - y||^2 = sum_i mu_i (1 - 2 y_i) + y_i^2,
 # E||z - y||_1 = sum_i mu_i |1 - y_i| + (1 - mu_i) |y_i|.
 
@@ -80,11 +81,11 @@ def _expected_l2_loss_exactly_k(dist: ExactlyKBernoulli, target: torch.Tensor) -
 
 
 # ---------------------------------------------------------------------------------------
-# LinearConstrainedNormal (MATH.md section 5, Gaussian). With m_i = mu_bar_i - y_i and
-# s_i^2 = Sigma_bar_ii every coordinate is N(m_i, s_i^2) around the target, so
-# E|z_i - y_i| = s_i sqrt(2/pi) exp(-m_i^2 / (2 s_i^2)) + m_i erf(m_i / (sqrt(2) s_i)), the
-# folded-normal mean (the published formula has the variance where s_i belongs; see the
-# errata), and E(z_i - y_i)^2 = m_i^2 + s_i^2.
+# LinearConstrainedNormal (docs/distributions/linear_constrained_normal.md, expected losses). With
+# m_i = mu_bar_i - y_i and s_i^2 = Sigma_bar_ii every coordinate is N(m_i, s_i^2) around the target,
+# so E|z_i - y_i| = s_i sqrt(2/pi) exp(-m_i^2 / (2 s_i^2)) + m_i erf(m_i / (sqrt(2) s_i)), the
+# folded-normal mean (the published formula has the variance where s_i belongs; see the errata), and
+# E(z_i - y_i)^2 = m_i^2 + s_i^2.
 
 
 @expected_l2_loss.register(LinearConstrainedNormal)
@@ -112,8 +113,8 @@ def _expected_l1_loss_linear_constrained_normal(
 
 
 # ConditionedPoisson ------------------------------------------------------------------------
-# z_i ~ Binomial(k, p_i) marginally (MATH.md section 5, with the corrected L1 formula, not
-# the published one).
+# z_i ~ Binomial(k, p_i) marginally (docs/distributions/conditioned_poisson.md, with the corrected
+# L1 formula, not the published one).
 
 
 def _binomial_pmf_and_cdf_at(dist: ConditionedPoisson, target: torch.Tensor):

@@ -6,9 +6,10 @@ atom or charge balances): every example shares ``A`` and has its own right-hand 
 to ``LinearConstrainedNormal(loc, scale, constraint=c, k=k)``, whose mean and samples
 satisfy ``A y = k`` exactly, and whose marginals give predictive intervals.
 
-**Which loss to use when** (the ``loss`` argument; MATH.md section 5 for the closed forms).
-Write ``mu_bar = loc + K (k - A loc)`` for the conditional mean (the ``Sigma^{-1}``-weighted
-projection of ``loc`` onto ``{A y = k}``, the point prediction) and ``s`` for the scales.
+**Which loss to use when** (the ``loss`` argument; the closed forms are in
+``docs/distributions/linear_constrained_normal.md``). Write ``mu_bar = loc + K (k - A loc)``
+for the conditional mean (the ``Sigma^{-1}``-weighted projection of ``loc`` onto
+``{A y = k}``, the point prediction) and ``s`` for the scales.
 
 - ``"mse+nll"`` (default, the recommended recipe): ``||loc - y||^2 - log p(y)``, with
   ``loc`` held fixed in the log-likelihood. The mean branch learns an unconstrained
