@@ -58,7 +58,12 @@ templates_path: list[str] = []
 # ---- autodoc / napoleon: the docstrings use reST field lists and numpydoc sections.
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
-autodoc_class_signature = "separated"
+# Types go into the documented parameters only (the class docstrings describe __init__'s).
+autodoc_typehints_description_target = "documented"
+# The two packages define the same names: fully qualified type hints link to the right
+# package's class, and are displayed unqualified.
+autodoc_typehints_format = "fully-qualified"
+python_use_unqualified_type_names = True
 autodoc_default_options = {"members": True, "show-inheritance": True}
 add_module_names = False
 napoleon_google_docstring = False

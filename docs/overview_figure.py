@@ -102,4 +102,4 @@ def draw(out_dir: Path) -> Path:
 
 
 if __name__ == "__main__":
-    print(draw(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent / "_generated"))
+    draw(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent / "_generated")

@@ -98,8 +98,8 @@ def init_head(
 
     :param key: PRNG key.
     :param in_features: size of the features (the backbone's last layer).
-    :param constraint: the :class:`LinearConstraint` ``A`` (a x n) shared by all examples;
-        its ``rtol`` is the support tolerance for targets.
+    :param constraint: the :class:`~numpyro_constrained.LinearConstraint` ``A`` (a x n) shared by
+        all examples; its ``rtol`` is the support tolerance for targets.
     :param scale: ``"per_output"`` (default: one learned vector) or ``"per_example"`` (a
         small MLP on the stopped-gradient features).
     :param scale_hidden: width of the scale MLP's hidden layer.

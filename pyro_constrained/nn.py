@@ -88,8 +88,8 @@ class LinearConstrainedNormalHead(nn.Module):
     :class:`LinearConstrainedNormal` over the n outputs, constrained to ``A y = k``.
 
     :param in_features: size of the features (the backbone's last layer).
-    :param constraint: the :class:`LinearConstraint` ``A`` (a x n), shared by all examples;
-        its ``rtol`` is the support tolerance for targets.
+    :param constraint: the :class:`~pyro_constrained.LinearConstraint` ``A`` (a x n), shared by
+        all examples; its ``rtol`` is the support tolerance for targets.
     :param loss: one of ``"mse+nll"`` (default), ``"nll"``, ``"mse"``,
         ``"expected_l2"``, ``"expected_l1"``: see the module docstring for which to use when.
     :param scale: ``"per_output"`` (default: one learned vector) or ``"per_example"`` (a
