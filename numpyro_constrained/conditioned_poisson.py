@@ -1,11 +1,11 @@
 """Independent Poissons conditioned on their sum: ``ConditionedPoisson(rate, k=k)``.
 
 ``z_i ~ Poisson(rate_i)`` independently, conditioned on ``sum_i z_i = k``, is
-``Multinomial(k, p)`` with ``p = rate / sum(rate)`` (MATH.md section 3). Unlike
-``numpyro.distributions.Multinomial``, ``k`` may vary over the batch (bags with different
-known totals) and be traced under ``jit`` / ``vmap``, the support check demands
-``sum z == k`` exactly, ``sample`` carries the straight-through marginal-expectation
-gradient, and the entropy is exact and fast.
+``Multinomial(k, p)`` with ``p = rate / sum(rate)`` (docs/distributions/conditioned_poisson.md).
+Unlike ``numpyro.distributions.Multinomial``, ``k`` may vary over the batch (bags with different
+known totals) and be traced under ``jit`` / ``vmap``, the support check demands ``sum z == k``
+exactly, ``sample`` carries the straight-through marginal-expectation gradient, and the entropy is
+exact and fast.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from constrained_ppl.exact_integers import (
     check_total_in_exact_range,
     largest_exact_integer,
 )
+from numpyro_constrained._repr import parameters_repr
 from numpyro_constrained.exactly_k_bernoulli import refuse_scalar_coordinate_consumers
 from numpyro_constrained.validation import as_concrete_where_possible, warn_if_out_of_support
 
@@ -438,9 +439,10 @@ class ConditionedPoisson(Distribution):
     shape is the broadcast of the two, the event shape ``rate.shape[-1:]``.
 
     ``sample`` returns an exact sample whose gradient is the straight-through
-    marginal-expectation estimator through ``E[z] = k p`` (MATH.md section 4): the value is
-    exactly integer and sums exactly to ``k``; ``has_rsample`` is true, so ``Trace_ELBO``
-    treats the site as reparameterised. ``marginals`` are ``Binomial(k, p_i)``.
+    marginal-expectation estimator through ``E[z] = k p``
+    (docs/distributions/gradient_estimators.md): the value is exactly integer and sums exactly to
+    ``k``; ``has_rsample`` is true, so ``Trace_ELBO`` treats the site as reparameterised.
+    ``marginals`` are ``Binomial(k, p_i)``.
 
     Numerics: ``p`` is normalised in log space, and ``log_prob``, ``entropy``, ``mean``,
     ``variance``, KL and ``log_constraint_prob`` accumulate in float64 where JAX has it
@@ -478,6 +480,27 @@ class ConditionedPoisson(Distribution):
     :param k_max: a static upper bound on ``k`` (a Python int), needed only where ``k`` is
         traced (an argument of ``jit``, ``vmap``, ``scan``): with it, sampling keeps the
         categorical sampler, and ``entropy`` and the expected L1 loss are possible.
+
+    Examples
+    --------
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import numpy as np
+    >>> import numpyro.distributions as dist
+    >>> from numpyro_constrained import ConditionedPoisson
+    >>> rate = jnp.array([1.0, 2.0, 5.0])
+    >>> d = ConditionedPoisson(rate, k=8)
+    >>> d
+    ConditionedPoisson(rate: (3,), k: 8)
+    >>> np.round(d.mean, 4).tolist()  # k p, with p = rate / sum(rate)
+    [1.0, 2.0, 5.0]
+    >>> z = d.sample(jax.random.PRNGKey(0), (4,))  # exact integer draws summing to 8
+    >>> z.shape, bool((z.sum(-1) == 8).all()), bool((z == jnp.round(z)).all())
+    ((4, 3), True, True)
+    >>> value = jnp.array([1.0, 2.0, 5.0])
+    >>> multinomial = dist.Multinomial(8, probs=rate / rate.sum())
+    >>> bool(jnp.isclose(d.log_prob(value), multinomial.log_prob(value)))
+    True
     """
 
     arg_constraints = {
@@ -736,6 +759,11 @@ class ConditionedPoisson(Distribution):
         if self._validate_args:
             warn_if_out_of_support(lambda: _is_integer_composition(value, self.k)[0])
         return self._mask_out_of_range_k(log_prob, -jnp.inf, event=False)
+
+    def __repr__(self) -> str:
+        return parameters_repr(
+            type(self).__name__, {"rate": self.rate, "k": self.k}, integers=("k",)
+        )
 
     def sample(self, key, sample_shape: tuple[int, ...] = ()):
         """An exact sample ``z`` returned as ``z + (m - stop_gradient(m))`` with ``m = k p``:

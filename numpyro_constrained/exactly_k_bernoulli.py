@@ -1,4 +1,7 @@
-"""ExactlyKBernoulli: independent Bernoullis conditioned on exactly k ones (MATH.md section 1).
+"""ExactlyKBernoulli: independent Bernoullis conditioned on exactly k ones.
+
+The math: ``docs/distributions/exactly_k_bernoulli.md``.
+
 
 The numerical work (log normaliser, marginals, exact sampling) lives in
 :mod:`numpyro_constrained.exactly_k_kernels`; this module handles parameters, infinite
@@ -23,6 +26,7 @@ from numpyro.util import not_jax_tracer
 from constrained_ppl.arguments import check_count, check_static_bound, check_value_shape
 from constrained_ppl.enumeration import check_support_size, k_hot_table, single_count
 from numpyro_constrained import exactly_k_kernels as kernels
+from numpyro_constrained._repr import parameters_repr
 from numpyro_constrained.validation import (
     as_concrete_where_possible,
     is_concrete,
@@ -142,6 +146,26 @@ class ExactlyKBernoulli(Distribution):
     concrete value outside the support warns (NumPyro's "Out-of-support values" warning)
     and returns ``-inf``; a value whose shape does not end in the event shape or does not
     broadcast with the batch shape is a ``ValueError`` always.
+
+    Examples
+    --------
+    >>> import math
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> from numpyro_constrained import ExactlyKBernoulli
+    >>> d = ExactlyKBernoulli(logits=jnp.array([2.0, 0.0, -1.0, 0.5]), k=2)
+    >>> d
+    ExactlyKBernoulli(logits: (4,), k: 2)
+    >>> z = d.sample(jax.random.PRNGKey(0), (3,))  # exact 2-hot draws, SIMPLE gradient
+    >>> z.shape, bool((z.sum(-1) == 2).all())
+    ((3, 4), True)
+    >>> round(float(d.mean.sum()), 4)  # the inclusion probabilities sum to k
+    2.0
+    >>> support = d.enumerate_support()  # the C(4, 2) = 6 two-hot vectors
+    >>> support.shape, round(float(jnp.exp(d.log_prob(support)).sum()), 4)
+    ((6, 4), 1.0)
+    >>> bool(d.entropy() < math.log(6))  # below the uniform k-subset's entropy
+    True
     """
 
     # probs first: given probs, the logits derived from them are NaN where probs are invalid,
@@ -384,6 +408,11 @@ class ExactlyKBernoulli(Distribution):
             # A support that also depends on the infinite logits.
             warn_if_out_of_support(lambda: _in_support(self.logits, self.k, value))
         return log_prob
+
+    def __repr__(self) -> str:
+        return parameters_repr(
+            type(self).__name__, {"logits": self.logits, "k": self.k}, integers=("k",)
+        )
 
     def sample(self, key, sample_shape=()) -> jax.Array:
         """An exact draw ``z`` (0.0 / 1.0 entries summing to k) carrying the straight-through

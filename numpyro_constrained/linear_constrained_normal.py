@@ -1,4 +1,7 @@
-"""A Gaussian conditioned on linear equalities ``A z = k`` (MATH.md section 2).
+"""A Gaussian conditioned on linear equalities ``A z = k``.
+
+The math: ``docs/distributions/linear_constrained_normal.md``.
+
 
 Holds :class:`LinearConstrainedNormal`, its support constraint (the affine subspace
 ``{z : A z = k}``), the isometric bijection from ``R^(n - a)`` onto that subspace (registered
@@ -26,6 +29,7 @@ from numpyro.distributions.transforms import Transform, biject_to
 from numpyro.util import not_jax_tracer
 
 from constrained_ppl.arguments import check_value_shape
+from numpyro_constrained._repr import parameters_repr
 from numpyro_constrained.linear_constraint import (
     LinearConstraint,
     _after,
@@ -476,6 +480,27 @@ class LinearConstrainedNormal(Distribution):
         by default 64 eps of the dtype (see :class:`LinearConstraint`). Set it to the
         precision of measured data that satisfies its balances only to that precision.
     :param grad_estimator: ``"marginal_expectation"`` or ``"pathwise"``.
+
+    Examples
+    --------
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import numpy as np
+    >>> from numpyro_constrained import LinearConstrainedNormal
+    >>> d = LinearConstrainedNormal(jnp.zeros(3), jnp.ones(3), k=1.0)  # z1 + z2 + z3 = 1
+    >>> d
+    LinearConstrainedNormal(loc: (3,), scale: (3,), A: (1, 3), k: 1.0)
+    >>> np.round(d.mean, 4).tolist()
+    [0.3333, 0.3333, 0.3333]
+    >>> z = d.sample(jax.random.PRNGKey(0), (2,))  # exact draws on the plane
+    >>> z.shape, bool(jnp.allclose(z.sum(-1), 1.0, atol=1e-5))
+    ((2, 3), True)
+    >>> A = jnp.array([[1.0, 1.0, 0.0], [0.0, 1.0, -1.0]])  # two equalities
+    >>> d2 = LinearConstrainedNormal(jnp.zeros(3), jnp.ones(3), A=A, k=jnp.array([1.0, 0.0]))
+    >>> bool(jnp.allclose(A @ d2.mean, jnp.array([1.0, 0.0]), atol=1e-5))
+    True
+    >>> int(jnp.linalg.matrix_rank(d2.covariance_matrix))  # n - a = 1
+    1
     """
 
     arg_constraints = {
@@ -895,6 +920,13 @@ class LinearConstrainedNormal(Distribution):
             self._basis_t,
             self._r_inv_t,
             diagonal=self._diagonal,
+        )
+
+    def __repr__(self) -> str:
+        # The covariance argument as stored: scale (diagonal) or its Cholesky factor.
+        covariance = {"scale" if self._diagonal else "scale_tril": self._factor}
+        return parameters_repr(
+            type(self).__name__, {"loc": self.loc, **covariance, "A": self.A, "k": self.k}
         )
 
     def sample(self, key: jax.Array, sample_shape: tuple[int, ...] = ()) -> jax.Array:

@@ -1,4 +1,7 @@
-"""The linear equality constraint ``A z = k``, validated and factorised once (MATH.md section 2).
+"""The linear equality constraint ``A z = k``, validated and factorised once.
+
+The math: ``docs/distributions/linear_constrained_normal.md``.
+
 
 Holds :class:`LinearConstraint` (a pytree: its cached factorisation is data, so it passes
 through ``jit``, ``vmap`` and ``lax.scan`` without being recomputed) and the linear algebra
@@ -146,6 +149,23 @@ class LinearConstraint:
     :param A: the constraint matrix, shape (..., a, n), real, finite, of full row rank.
     :param rtol: the relative tolerance of the support check (a positive number), or None
         for the default of the dtype of the values checked.
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp
+    >>> import numpy as np
+    >>> from numpyro_constrained import LinearConstraint
+    >>> c = LinearConstraint(jnp.array([[1.0, 1.0, 1.0]]))  # z1 + z2 + z3 = k
+    >>> c.a, c.n
+    (1, 3)
+    >>> y = jnp.array([1.0, 2.0, 3.0])
+    >>> np.round(c.residual(y), 4).tolist()  # A y - k, with k = 0 by default
+    [6.0]
+    >>> bool(jnp.allclose(c.project(y, k=3.0), jnp.array([0.0, 1.0, 2.0]), atol=1e-5))
+    True
+    >>> d = c.normal(jnp.zeros((2, 3)), jnp.ones(3), k=jnp.array([[1.0], [2.0]]))
+    >>> d.batch_shape, bool(jnp.allclose(d.mean.sum(-1), jnp.array([1.0, 2.0]), atol=1e-5))
+    ((2,), True)
     """
 
     def __init__(self, A: jax.Array, *, rtol: float | None = None):

@@ -98,8 +98,8 @@ def init_head(
 
     :param key: PRNG key.
     :param in_features: size of the features (the backbone's last layer).
-    :param constraint: the :class:`LinearConstraint` ``A`` (a x n) shared by all examples;
-        its ``rtol`` is the support tolerance for targets.
+    :param constraint: the :class:`~numpyro_constrained.LinearConstraint` ``A`` (a x n) shared by
+        all examples; its ``rtol`` is the support tolerance for targets.
     :param scale: ``"per_output"`` (default: one learned vector) or ``"per_example"`` (a
         small MLP on the stopped-gradient features).
     :param scale_hidden: width of the scale MLP's hidden layer.
@@ -108,6 +108,19 @@ def init_head(
     :param output_loc: (n,) offset of the outputs (default 0).
     :param output_scale: (n,) positive scale of the outputs (default 1).
     :param dtype: dtype of the parameters.
+
+    Examples
+    --------
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> from numpyro_constrained import LinearConstraint
+    >>> from numpyro_constrained.nn import init_head
+    >>> constraint = LinearConstraint(jnp.array([[1.0, 1.0, 1.0]]))  # y1 + y2 + y3 = k
+    >>> params, state = init_head(jax.random.PRNGKey(0), 4, constraint)
+    >>> features = jax.random.normal(jax.random.PRNGKey(1), (5, 4))
+    >>> k = jax.random.normal(jax.random.PRNGKey(2), (5, 1))
+    >>> sorted(params), params["mean"]["weight"].shape  # weights stored (out, in) as in torch
+    (['mean', 'raw_scale'], (3, 4))
     """
     if scale not in SCALES:
         raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
@@ -160,7 +173,24 @@ def init_head(
 def head_parameters(params: dict, state: dict, features: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(loc, scale)`` in the scaled coordinates ``y / output_scale``:
     ``loc = output_loc / output_scale + W f + c``, ``scale = min_scale + softplus(raw)``
-    (``raw`` is (n,) for a per-output scale: one factorisation serves the whole batch)."""
+    (``raw`` is (n,) for a per-output scale: one factorisation serves the whole batch).
+
+    Examples
+    --------
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> from numpyro_constrained import LinearConstraint
+    >>> from numpyro_constrained.nn import head_parameters, init_head
+    >>> constraint = LinearConstraint(jnp.array([[1.0, 1.0, 1.0]]))  # y1 + y2 + y3 = k
+    >>> params, state = init_head(jax.random.PRNGKey(0), 4, constraint)
+    >>> features = jax.random.normal(jax.random.PRNGKey(1), (5, 4))
+    >>> k = jax.random.normal(jax.random.PRNGKey(2), (5, 1))
+    >>> loc, scale = head_parameters(params, state, features)
+    >>> loc.shape, scale.shape  # a per-output scale: one vector for the batch
+    ((5, 3), (3,))
+    >>> bool((scale > state["min_scale"]).all())
+    True
+    """
     loc = _linear(params["mean"], features) + state["output_loc"] / state["output_scale"]
     if "raw_scale" in params:
         raw = params["raw_scale"]
@@ -180,7 +210,24 @@ def head_distribution(
 ) -> LinearConstrainedNormal:
     """The predictive distribution of the outputs in their own units: batch shape
     ``features.shape[:-1]`` broadcast with ``k.shape[:-1]``, event shape (n,); its scale
-    includes the calibration factor ``state["scale_factor"]``."""
+    includes the calibration factor ``state["scale_factor"]``.
+
+    Examples
+    --------
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> from numpyro_constrained import LinearConstraint
+    >>> from numpyro_constrained.nn import head_distribution, init_head
+    >>> constraint = LinearConstraint(jnp.array([[1.0, 1.0, 1.0]]))  # y1 + y2 + y3 = k
+    >>> params, state = init_head(jax.random.PRNGKey(0), 4, constraint)
+    >>> features = jax.random.normal(jax.random.PRNGKey(1), (5, 4))
+    >>> k = jax.random.normal(jax.random.PRNGKey(2), (5, 1))
+    >>> prediction = head_distribution(params, state, features, k)
+    >>> prediction.batch_shape, prediction.event_shape
+    ((5,), (3,))
+    >>> bool(jnp.allclose(prediction.mean.sum(-1), k[:, 0], atol=1e-5))
+    True
+    """
     loc, scale = head_parameters(params, state, features)
     output_scale = state["output_scale"]
     return state["constraint"].normal(
@@ -197,7 +244,25 @@ def calibrate_head(
     """A copy of ``state`` whose ``scale_factor`` ``t`` maximises the likelihood of held-out
     examples: for ``Sigma -> t^2 Sigma`` the log-density on the ``(n - a)``-dimensional
     subspace changes as ``-(n - a) log t - M / (2 t^2)``, ``M = ||(y - mu_bar) / s||^2``
-    (``mu_bar`` does not depend on ``t``), so ``t^2 = sum M / (N (n - a))``."""
+    (``mu_bar`` does not depend on ``t``), so ``t^2 = sum M / (N (n - a))``.
+
+    Examples
+    --------
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> from numpyro_constrained import LinearConstraint
+    >>> from numpyro_constrained.nn import calibrate_head, head_distribution, init_head
+    >>> constraint = LinearConstraint(jnp.array([[1.0, 1.0, 1.0]]))  # y1 + y2 + y3 = k
+    >>> params, state = init_head(jax.random.PRNGKey(0), 4, constraint)
+    >>> features = jax.random.normal(jax.random.PRNGKey(1), (5, 4))
+    >>> k = jax.random.normal(jax.random.PRNGKey(2), (5, 1))
+    >>> target = constraint.project(jax.random.normal(jax.random.PRNGKey(3), (5, 3)), k)
+    >>> calibrated = calibrate_head(params, state, features, k, target)
+    >>> d = head_distribution(params, calibrated, features, k)
+    >>> m = (((target - d.mean) / d.scale) ** 2).sum(-1).mean()  # n - a = 2 on average now
+    >>> round(float(m), 3)
+    2.0
+    """
     state = dict(state, scale_factor=jnp.ones_like(state["scale_factor"]))
     dist = head_distribution(params, state, features, k)
     mahalanobis = jnp.sum(jnp.square((target - dist.mean) / dist.scale), -1)
@@ -221,6 +286,21 @@ def head_loss(
 
     ``"nll"`` is ``-log p(y / output_scale)``: it differs from the NLL in the outputs' own
     units by a constant (the log-determinant of the scaling on the subspace).
+
+    Examples
+    --------
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> from numpyro_constrained import LinearConstraint
+    >>> from numpyro_constrained.nn import head_loss, init_head
+    >>> constraint = LinearConstraint(jnp.array([[1.0, 1.0, 1.0]]))  # y1 + y2 + y3 = k
+    >>> params, state = init_head(jax.random.PRNGKey(0), 4, constraint)
+    >>> features = jax.random.normal(jax.random.PRNGKey(1), (5, 4))
+    >>> k = jax.random.normal(jax.random.PRNGKey(2), (5, 1))
+    >>> target = constraint.project(jax.random.normal(jax.random.PRNGKey(3), (5, 3)), k)
+    >>> loss, grads = jax.value_and_grad(head_loss)(params, state, features, k, target)
+    >>> loss.shape, grads["mean"]["weight"].shape
+    ((), (3, 4))
     """
     if loss not in LOSSES:
         raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")

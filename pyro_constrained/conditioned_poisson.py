@@ -1,10 +1,10 @@
 """Independent Poissons conditioned on their sum: ``ConditionedPoisson(rate, k=k)``.
 
 ``z_i ~ Poisson(rate_i)`` independently, conditioned on ``sum_i z_i = k``, is
-``Multinomial(k, p)`` with ``p = rate / sum(rate)`` (MATH.md section 3). Unlike
-``torch.distributions.Multinomial``, ``k`` may vary over the batch (bags with different
-known totals), the support check demands ``sum z == k`` exactly, ``rsample`` carries the
-straight-through marginal-expectation gradient, and the entropy is exact and fast.
+``Multinomial(k, p)`` with ``p = rate / sum(rate)`` (docs/distributions/conditioned_poisson.md).
+Unlike ``torch.distributions.Multinomial``, ``k`` may vary over the batch (bags with different known
+totals), the support check demands ``sum z == k`` exactly, ``rsample`` carries the straight-through
+marginal-expectation gradient, and the entropy is exact and fast.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from constrained_ppl.exact_integers import (
     check_total_in_exact_range,
     largest_exact_integer,
 )
+from pyro_constrained._repr import parameters_repr
 
 __all__ = ["ConditionedPoisson", "integer_composition", "positive_finite"]
 
@@ -395,10 +396,10 @@ class ConditionedPoisson(TorchDistribution):
     shape is the broadcast of the two, the event shape ``rate.shape[-1:]``.
 
     ``rsample`` returns an exact sample whose gradient is the straight-through
-    marginal-expectation estimator through ``E[z] = k p`` (MATH.md section 4): the value is
-    exactly integer and sums exactly to ``k``. ``marginals`` are ``Binomial(k, p_i)``.
-    ``sample``, ``rsample`` and ``log_prob`` use no in-place op, so that they run under
-    ``torch.jit.trace`` (``JitTrace_ELBO`` and its kin).
+    marginal-expectation estimator through ``E[z] = k p``
+    (docs/distributions/gradient_estimators.md): the value is exactly integer and sums exactly to
+    ``k``. ``marginals`` are ``Binomial(k, p_i)``. ``sample``, ``rsample`` and ``log_prob`` use no
+    in-place op, so that they run under ``torch.jit.trace`` (``JitTrace_ELBO`` and its kin).
 
     Numerics: ``p`` is normalised in log space in float64 (rates from 1e-300 to 1e300
     side by side are fine), and ``log_prob``, ``entropy``, ``mean``, ``variance``, KL and
@@ -424,6 +425,24 @@ class ConditionedPoisson(TorchDistribution):
         ``numpyro_constrained``, where it sizes jitted tables when ``k`` is traced; here
         ``k`` is always concrete, so it is only checked: a ``k`` above it is a
         ``ValueError``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from pyro_constrained import ConditionedPoisson
+    >>> rate = torch.tensor([1.0, 2.0, 5.0])
+    >>> d = ConditionedPoisson(rate, k=8)
+    >>> d
+    ConditionedPoisson(rate: torch.Size([3]), k: 8)
+    >>> d.mean  # k p, with p = rate / sum(rate)
+    tensor([1., 2., 5.])
+    >>> z = d.sample((4,))  # exact integer draws summing to 8
+    >>> z.shape, bool((z.sum(-1) == 8).all()), bool((z == z.round()).all())
+    (torch.Size([4, 3]), True, True)
+    >>> value = torch.tensor([1.0, 2.0, 5.0])
+    >>> multinomial = torch.distributions.Multinomial(8, probs=rate / rate.sum())
+    >>> bool(torch.isclose(d.log_prob(value), multinomial.log_prob(value)))
+    True
     """
 
     arg_constraints = {
@@ -638,6 +657,11 @@ class ConditionedPoisson(TorchDistribution):
         # A negative k (validation off) has no value in its support.
         log_prob = torch.where(in_support, log_prob, -math.inf)
         return log_prob.to(dtype)
+
+    def __repr__(self) -> str:
+        return parameters_repr(
+            type(self).__name__, {"rate": self.rate, "k": self.k}, integers=("k",)
+        )
 
     def sample(self, sample_shape=_EMPTY_SIZE) -> torch.Tensor:
         """An exact sample (no gradient); NaN where ``k < 0``."""

@@ -1,4 +1,7 @@
-"""ExactlyKBernoulli: independent Bernoullis conditioned on exactly k ones (MATH.md section 1).
+"""ExactlyKBernoulli: independent Bernoullis conditioned on exactly k ones.
+
+The math: ``docs/distributions/exactly_k_bernoulli.md``.
+
 
 The numerical work (log normaliser, marginals, exact sampling) lives in
 :mod:`pyro_constrained.exactly_k_kernels`; this module handles parameters, infinite logits,
@@ -16,6 +19,7 @@ from torch.distributions.utils import lazy_property
 from constrained_ppl.arguments import check_count, check_static_bound, check_value_shape
 from constrained_ppl.enumeration import check_support_size, k_hot_table, single_count
 from pyro_constrained import exactly_k_kernels as kernels
+from pyro_constrained._repr import parameters_repr
 
 __all__ = ["ExactlyKBernoulli", "KHot"]
 
@@ -117,6 +121,25 @@ class ExactlyKBernoulli(TorchDistribution):
 
     ``rsample`` returns an exact k-hot sample ``z`` whose gradient is that of the conditional
     marginals ``mu`` (the SIMPLE estimator): ``z + (mu - mu.detach())``.
+
+    Examples
+    --------
+    >>> import math
+    >>> import torch
+    >>> from pyro_constrained import ExactlyKBernoulli
+    >>> d = ExactlyKBernoulli(logits=torch.tensor([2.0, 0.0, -1.0, 0.5]), k=2)
+    >>> d
+    ExactlyKBernoulli(logits: torch.Size([4]), k: 2)
+    >>> z = d.rsample((3,))  # exact 2-hot draws carrying the SIMPLE gradient
+    >>> z.shape, bool((z.sum(-1) == 2).all())
+    (torch.Size([3, 4]), True)
+    >>> round(float(d.mean.sum()), 4)  # the inclusion probabilities sum to k
+    2.0
+    >>> support = d.enumerate_support()  # the C(4, 2) = 6 two-hot vectors
+    >>> support.shape, round(float(d.log_prob(support).exp().sum()), 4)
+    (torch.Size([6, 4]), 1.0)
+    >>> bool(d.entropy() < math.log(6))  # below the uniform k-subset's entropy
+    True
     """
 
     # probs first: given probs, the logits derived from them are NaN where probs are invalid,
@@ -446,8 +469,8 @@ class ExactlyKBernoulli(TorchDistribution):
         return batch_shape, torch.Size(shape[-1:])
 
     def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(logits: {tuple(self.logits.shape)}, k: {tuple(self.k.shape)})"
+        return parameters_repr(
+            type(self).__name__, {"logits": self.logits, "k": self.k}, integers=("k",)
         )
 
 

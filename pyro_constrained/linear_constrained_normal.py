@@ -1,4 +1,7 @@
-"""A Gaussian conditioned on linear equalities ``A z = k`` (MATH.md section 2).
+"""A Gaussian conditioned on linear equalities ``A z = k``.
+
+The math: ``docs/distributions/linear_constrained_normal.md``.
+
 
 Holds :class:`LinearConstrainedNormal`, its support constraint (the affine subspace
 ``{z : A z = k}``), the isometric bijection from ``R^(n - a)`` onto that subspace (registered
@@ -18,6 +21,7 @@ from torch.distributions.transforms import Transform
 from torch.distributions.utils import _standard_normal, lazy_property
 
 from constrained_ppl.arguments import check_value_shape
+from pyro_constrained._repr import parameters_repr
 from pyro_constrained.linear_constraint import (
     LinearConstraint,
     _as_float_tensor,
@@ -261,6 +265,26 @@ class LinearConstrainedNormal(TorchDistribution):
         by default 64 eps of the dtype (see :class:`LinearConstraint`). Set it to the
         precision of measured data that satisfies its balances only to that precision.
     :param grad_estimator: ``"marginal_expectation"`` or ``"pathwise"``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from pyro_constrained import LinearConstrainedNormal
+    >>> d = LinearConstrainedNormal(torch.zeros(3), torch.ones(3), k=1.0)  # z1 + z2 + z3 = 1
+    >>> d  # doctest: +NORMALIZE_WHITESPACE
+    LinearConstrainedNormal(loc: torch.Size([3]), scale: torch.Size([3]),
+                            A: torch.Size([1, 3]), k: 1.0)
+    >>> d.mean
+    tensor([0.3333, 0.3333, 0.3333])
+    >>> z = d.rsample((2,))  # exact draws on the plane, reparameterised
+    >>> z.shape, torch.allclose(z.sum(-1), torch.ones(2))
+    (torch.Size([2, 3]), True)
+    >>> A = torch.tensor([[1.0, 1.0, 0.0], [0.0, 1.0, -1.0]])  # two equalities
+    >>> d2 = LinearConstrainedNormal(torch.zeros(3), torch.ones(3), A=A, k=torch.tensor([1.0, 0.0]))
+    >>> torch.allclose(A @ d2.mean, torch.tensor([1.0, 0.0]))
+    True
+    >>> torch.linalg.matrix_rank(d2.covariance_matrix).item()  # n - a = 1
+    1
     """
 
     arg_constraints = {
@@ -652,6 +676,13 @@ class LinearConstrainedNormal(TorchDistribution):
         else:
             z = self._mean + _rows_times(self.scale_tril, projected)
         return self._refine(z)
+
+    def __repr__(self) -> str:
+        # The covariance argument as stored: scale (diagonal) or its Cholesky factor.
+        covariance = {"scale": self.scale} if self._diagonal else {"scale_tril": self.scale_tril}
+        return parameters_repr(
+            type(self).__name__, {"loc": self.loc, **covariance, "A": self.A, "k": self.k}
+        )
 
     def rsample(self, sample_shape: tuple[int, ...] = ()) -> torch.Tensor:
         """An exact sample; its gradient is the one chosen by ``grad_estimator``."""

@@ -1,4 +1,7 @@
-"""The linear equality constraint ``A z = k``, validated and factorised once (MATH.md section 2).
+"""The linear equality constraint ``A z = k``, validated and factorised once.
+
+The math: ``docs/distributions/linear_constrained_normal.md``.
+
 
 Holds :class:`LinearConstraint` and the linear algebra that it and
 :class:`~pyro_constrained.linear_constrained_normal.LinearConstrainedNormal` share: products
@@ -129,6 +132,22 @@ class LinearConstraint:
     :param A: the constraint matrix, shape (..., a, n), real, finite, of full row rank.
     :param rtol: the relative tolerance of the support check (a positive number), or None
         for the default of the dtype of the values checked.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from pyro_constrained import LinearConstraint
+    >>> c = LinearConstraint(torch.tensor([[1.0, 1.0, 1.0]]))  # z1 + z2 + z3 = k
+    >>> c.a, c.n
+    (1, 3)
+    >>> y = torch.tensor([1.0, 2.0, 3.0])
+    >>> c.residual(y)  # A y - k, with k = 0 by default
+    tensor([6.])
+    >>> torch.allclose(c.project(y, k=3.0), torch.tensor([0.0, 1.0, 2.0]), atol=1e-6)
+    True
+    >>> d = c.normal(torch.zeros(2, 3), torch.ones(3), k=torch.tensor([[1.0], [2.0]]))
+    >>> d.batch_shape, torch.allclose(d.mean.sum(-1), torch.tensor([1.0, 2.0]))
+    (torch.Size([2]), True)
     """
 
     def __init__(self, A: torch.Tensor, *, rtol: float | None = None):

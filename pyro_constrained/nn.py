@@ -6,9 +6,10 @@ atom or charge balances): every example shares ``A`` and has its own right-hand 
 to ``LinearConstrainedNormal(loc, scale, constraint=c, k=k)``, whose mean and samples
 satisfy ``A y = k`` exactly, and whose marginals give predictive intervals.
 
-**Which loss to use when** (the ``loss`` argument; MATH.md section 5 for the closed forms).
-Write ``mu_bar = loc + K (k - A loc)`` for the conditional mean (the ``Sigma^{-1}``-weighted
-projection of ``loc`` onto ``{A y = k}``, the point prediction) and ``s`` for the scales.
+**Which loss to use when** (the ``loss`` argument; the closed forms are in
+``docs/distributions/linear_constrained_normal.md``). Write ``mu_bar = loc + K (k - A loc)``
+for the conditional mean (the ``Sigma^{-1}``-weighted projection of ``loc`` onto
+``{A y = k}``, the point prediction) and ``s`` for the scales.
 
 - ``"mse+nll"`` (default, the recommended recipe): ``||loc - y||^2 - log p(y)``, with
   ``loc`` held fixed in the log-likelihood. The mean branch learns an unconstrained
@@ -87,8 +88,8 @@ class LinearConstrainedNormalHead(nn.Module):
     :class:`LinearConstrainedNormal` over the n outputs, constrained to ``A y = k``.
 
     :param in_features: size of the features (the backbone's last layer).
-    :param constraint: the :class:`LinearConstraint` ``A`` (a x n), shared by all examples;
-        its ``rtol`` is the support tolerance for targets.
+    :param constraint: the :class:`~pyro_constrained.LinearConstraint` ``A`` (a x n), shared by
+        all examples; its ``rtol`` is the support tolerance for targets.
     :param loss: one of ``"mse+nll"`` (default), ``"nll"``, ``"mse"``,
         ``"expected_l2"``, ``"expected_l1"``: see the module docstring for which to use when.
     :param scale: ``"per_output"`` (default: one learned vector) or ``"per_example"`` (a
@@ -99,6 +100,24 @@ class LinearConstrainedNormalHead(nn.Module):
     :param output_loc: (n,) offset of the outputs (default 0).
     :param output_scale: (n,) positive scale of the outputs (default 1).
     :param validate_args: passed to the distributions the head builds.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from pyro_constrained import LinearConstrainedNormalHead, LinearConstraint
+    >>> _ = torch.manual_seed(0)
+    >>> constraint = LinearConstraint(torch.tensor([[1.0, 1.0, 1.0]]))  # y1 + y2 + y3 = k
+    >>> head = LinearConstrainedNormalHead(4, constraint)
+    >>> features, k = torch.randn(5, 4), torch.randn(5, 1)
+    >>> prediction = head(features, k)  # one LinearConstrainedNormal per example
+    >>> prediction.batch_shape, prediction.event_shape
+    (torch.Size([5]), torch.Size([3]))
+    >>> torch.allclose(prediction.mean.sum(-1), k[:, 0], atol=1e-5)
+    True
+    >>> target = constraint.project(torch.randn(5, 3), k)
+    >>> loss = head.loss(features, k, target)  # the default recipe, "mse+nll"
+    >>> loss.shape, loss.requires_grad
+    (torch.Size([]), True)
     """
 
     def __init__(

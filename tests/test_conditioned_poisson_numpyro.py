@@ -729,3 +729,12 @@ def test_a_value_of_the_wrong_shape_is_a_value_error_naming_the_expected_shape(s
     log_prob = jax.jit(d.log_prob) if jit else d.log_prob
     with pytest.raises(ValueError, match=r"expected a shape broadcasting with \(\.\.\., 4, 3\)"):
         log_prob(jnp.zeros(shape))
+
+
+def test_repr_names_each_parameter_by_value_or_shape():
+    # The Pyro package's format, with shapes as tuples.
+    rate = jnp.ones((3, 4))
+    assert repr(ConditionedPoisson(rate, k=jnp.array([1, 2, 3]))) == (
+        "ConditionedPoisson(rate: (3, 4), k: (3,))"
+    )
+    assert repr(ConditionedPoisson(rate[0], k=7.0)) == "ConditionedPoisson(rate: (4,), k: 7)"

@@ -361,7 +361,7 @@ def test_has_rsample(case):
 def test_sample_gradient(case):
     """Gradient of a weighted sum of one sample w.r.t. each reparametrised parameter: right
     shape, finite, and equal to the straight-through estimator's (the gradient of the same
-    sum of the mean, API.md / MATH.md section 4)."""
+    sum of the mean, API.md / docs/distributions/gradient_estimators.md)."""
     names = _reparametrized_names(case)
     if not names:
         pytest.skip("no reparametrised parameter in this setting")

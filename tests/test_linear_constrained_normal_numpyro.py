@@ -794,3 +794,13 @@ def test_k_is_a_real_right_hand_side_broadcast_to_the_rows_of_A():
         ValueError, match=r"do not broadcast: loc \(2,\), scale \(\), A \(\), k \(3,\)"
     ):
         LinearConstrainedNormal(np.stack([loc, loc]), scale, A=A, k=np.zeros((3, 2)))
+
+
+def test_repr_names_each_parameter_by_value_or_shape():
+    # The Pyro package's format, with shapes as tuples.
+    loc = jnp.zeros((2, 4))
+    d = LinearConstrainedNormal(loc, jnp.ones(4), k=1.5)
+    assert repr(d) == ("LinearConstrainedNormal(loc: (2, 4), scale: (4,), A: (1, 4), k: 1.5)")
+    A = jnp.array([[1.0, 1.0, 1.0, 1.0], [1.0, -1.0, 0.0, 0.0]])
+    d = LinearConstrainedNormal(loc[0], covariance_matrix=2 * jnp.eye(4), A=A)
+    assert repr(d) == ("LinearConstrainedNormal(loc: (4,), scale_tril: (4, 4), A: (2, 4), k: (2,))")

@@ -555,3 +555,21 @@ def test_jit_elbos_give_the_losses_and_gradients_of_the_plain_elbos(elbo_class, 
         np.testing.assert_allclose(jit_loss, loss, rtol=1e-10)
         for grad, jit_grad in zip(grads, jit_grads, strict=True):
             torch.testing.assert_close(jit_grad, grad, rtol=1e-8, atol=1e-10)
+
+
+def test_repr_names_each_parameter_by_value_or_shape():
+    # torch.distributions' convention: a one-element parameter by its value, else its shape;
+    # the covariance argument as stored (scale, or scale_tril for a full covariance), each
+    # parameter with its own shape, as torch's MultivariateNormal prints them.
+    loc = torch.zeros(2, 4)
+    d = LinearConstrainedNormal(loc, torch.ones(4), k=1.5)
+    assert repr(d) == (
+        "LinearConstrainedNormal(loc: torch.Size([2, 4]), scale: torch.Size([4]), "
+        "A: torch.Size([1, 4]), k: 1.5)"
+    )
+    A = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, -1.0, 0.0, 0.0]])
+    d = LinearConstrainedNormal(loc[0], covariance_matrix=2 * torch.eye(4), A=A)
+    assert repr(d) == (
+        "LinearConstrainedNormal(loc: torch.Size([4]), scale_tril: torch.Size([4, 4]), "
+        "A: torch.Size([2, 4]), k: torch.Size([2]))"
+    )
