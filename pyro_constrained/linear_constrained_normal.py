@@ -485,7 +485,6 @@ class LinearConstrainedNormal(TorchDistribution):
         self._prior_variance = prior_variance
         # mu_bar is the Sigma^{-1}-orthogonal projection of loc onto the subspace: one step
         # from loc, then one of refinement.
-        self._mean = self._refine(self._refine(self.loc))
         # log p(z) = -1/2 (z - mu_bar)^T Sigma^{-1} (z - mu_bar) + _log_normalizer on the
         # subspace: for A z = k the cross term with mu_bar - loc = K (k - A loc) vanishes, so
         # the squared distance splits into this one plus the one of log N(k; A loc, S).
@@ -496,6 +495,11 @@ class LinearConstrainedNormal(TorchDistribution):
             - self._constraint._log_det_half
             - 0.5 * (self.event_shape[0] - A.shape[-2]) * math.log(2 * math.pi)
         )
+
+    @lazy_property
+    def _mean(self) -> torch.Tensor:
+        """``mu_bar``, computed on first use: the NLL (``log_prob``) does not need it."""
+        return self._refine(self._refine(self.loc))
 
     def _factor_basis_t(self) -> torch.Tensor:
         """``(L Q)^T`` (..., a, n): ``L Q`` spans the directions the constraint removes."""
@@ -542,7 +546,8 @@ class LinearConstrainedNormal(TorchDistribution):
         new.__dict__.update(self.__dict__)
         event = self.event_shape
         new.loc = self.loc.expand(batch_shape + event)
-        new._mean = self._mean.expand(batch_shape + event)
+        if "_mean" in self.__dict__:
+            new._mean = self._mean.expand(batch_shape + event)
         new._log_normalizer = self._log_normalizer.expand(batch_shape)
         super(LinearConstrainedNormal, new).__init__(batch_shape, event, validate_args=False)
         new._validate_args = self._validate_args
@@ -592,6 +597,15 @@ class LinearConstrainedNormal(TorchDistribution):
         return (0.5 * dim - self._log_normalizer).expand(self.batch_shape)
 
     def _mahalanobis_from_mean(self, value: torch.Tensor) -> torch.Tensor:
+        if self._diagonal and value.dtype == self.loc.dtype:
+            # On the subspace, L^{-1} (z - mu_bar) = (I - Q Q^T) L^{-1} (z - loc): an
+            # orthogonal projection in whitened coordinates, which needs neither mu_bar (two
+            # refinement passes) nor k, and is as accurate as the difference from mu_bar.
+            whitened = (value - self.loc) / self.scale
+            projected = whitened - _combine_rows(
+                _rows_times(self._basis_t, whitened), self._basis_t
+            )
+            return projected.square().sum(-1)
         diff = value - self._mean.to(value.dtype)
         if self._diagonal:
             return (diff / self.scale.to(value.dtype)).square().sum(-1)
