@@ -474,14 +474,7 @@ class LinearConstrainedNormal(TorchDistribution):
             prior_variance = self.scale_tril.square().sum(-1)
         basis, r_factor = _row_sorted_qr(whitened_t)
         self._basis_t = basis.mT.contiguous()  # Q^T, (..., a, n): orthonormal rows
-        # R^{-T} (..., a, a), so that K r = L Q (R^{-T} r) costs one pass over Q. An explicit
-        # triangular inverse is as accurate here as a substitution, and a small matrix
-        # product broadcasts where a batched solve would not.
-        self._r_inv_t = torch.linalg.solve_triangular(
-            r_factor,
-            torch.eye(r_factor.shape[-1], dtype=r_factor.dtype, device=r_factor.device),
-            upper=True,
-        ).mT
+        self._r_factor = r_factor
         self._prior_variance = prior_variance
         # mu_bar is the Sigma^{-1}-orthogonal projection of loc onto the subspace: one step
         # from loc, then one of refinement.
@@ -495,6 +488,16 @@ class LinearConstrainedNormal(TorchDistribution):
             - self._constraint._log_det_half
             - 0.5 * (self.event_shape[0] - A.shape[-2]) * math.log(2 * math.pi)
         )
+
+    @lazy_property
+    def _r_inv_t(self) -> torch.Tensor:
+        """``R^{-T}`` (..., a, a), so that ``K r = L Q (R^{-T} r)`` costs one pass over Q;
+        on first use (``log_prob`` does not need it). An explicit triangular inverse is as
+        accurate here as a substitution, and a small matrix product broadcasts where a
+        batched solve would not."""
+        r_factor = self._r_factor
+        identity = torch.eye(r_factor.shape[-1], dtype=r_factor.dtype, device=r_factor.device)
+        return torch.linalg.solve_triangular(r_factor, identity, upper=True).mT
 
     @lazy_property
     def _mean(self) -> torch.Tensor:
