@@ -339,9 +339,14 @@ class LinearConstrainedNormal(TorchDistribution):
     ``torch.jit.trace`` records (Pyro's ``JitTrace_ELBO`` and friends) replays sampling and
     scoring with the same values and gradients as eager execution.
 
-    **Cost.** With a diagonal covariance (``scale``) construction is O(n a^2 + a^3) and every
-    call O(n a); no n x n matrix is formed except by :attr:`covariance_matrix`. With a full
-    covariance the Cholesky factor costs O(n^3) once and each sample or log_prob O(n^2).
+    **Cost.** With a diagonal covariance (``scale``) the whitened factorisation costs
+    O(n a^2 + a^3), on first use (construction only checks and stores the arguments), and
+    every call O(n a); no n x n matrix is formed except by :attr:`covariance_matrix`. With a
+    full covariance the Cholesky factor costs O(n^3) once and each sample or log_prob
+    O(n^2). With a diagonal scale, :meth:`log_prob` is differentiated by a hand-written
+    backward (see :class:`_ProjectedLogDensity`: gradients ``u / s`` and
+    ``(u (2 w - u) + h - 1) / s`` with ``u = (I - Q Q^T) w``), which needs no derivative of
+    the QR; its second derivatives are taken by autograd through the factorisation.
 
     :param loc: the unconditional mean, shape (..., n).
     :param scale: unconditional standard deviations (diagonal covariance), shape (..., n).
