@@ -178,6 +178,15 @@ def _transform_to_affine_subspace(constraint: AffineSubspace) -> AffineSubspaceT
     return AffineSubspaceTransform(constraint.constraint, constraint.k)
 
 
+def _functorch_active() -> bool:
+    """Whether a ``torch.func`` transform (grad, vmap, jacrev, ...) is running: those need
+    an autograd.Function written for them (``setup_context``), so ``log_prob`` then takes
+    the recorded path, which they differentiate as any torch code."""
+    functorch = getattr(torch._C, "_functorch", None)
+    peek = getattr(functorch, "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
+
+
 def _whitened_projection(
     value: torch.Tensor, loc: torch.Tensor, scale: torch.Tensor, basis_t: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -795,7 +804,7 @@ class LinearConstrainedNormal(TorchDistribution):
             )
         # Validation raised unless every value is on the subspace: no mask needed then.
         off_subspace = None if self._validate_args else ~self._constraint._check(value, self.k)
-        if self._projects(value) and not self.A.requires_grad:
+        if self._projects(value) and not self.A.requires_grad and not _functorch_active():
             basis_t, log_normalizer = self._detached_factors()
             return _ProjectedLogDensity.apply(
                 value, self.loc, self.scale, basis_t, log_normalizer, off_subspace, self

@@ -650,3 +650,23 @@ def test_diagonal_log_prob_gradient_without_constraint_is_the_normal_one():
     expected = torch.autograd.grad(reference.sum(), (loc, scale))
     for grad, want in zip(grads, expected, strict=True):
         torch.testing.assert_close(grad, want, rtol=1e-12, atol=1e-12)
+
+
+def test_diagonal_log_prob_under_torch_func_transforms():
+    # torch.func (grad, vmap) cannot run the hand-written autograd.Function; log_prob then
+    # takes the recorded path, with the same values and gradients.
+    loc, scale, A, k, value = _diag_inputs((), (3,))
+    value = value.detach()
+
+    def total(loc, scale):
+        return (
+            LinearConstrainedNormal(loc, scale, A=A, k=k, validate_args=False).log_prob(value).sum()
+        )
+
+    grads = torch.func.grad(total, argnums=(0, 1))(loc.detach(), scale.detach())
+    expected = torch.autograd.grad(total(loc, scale), (loc, scale))
+    for grad, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(grad, want, rtol=1e-10, atol=1e-12)
+    mapped = torch.func.vmap(lambda loc: total(loc, scale.detach()))(loc.detach()[:, None])
+    singles = [total(row[None], scale) for row in loc.detach()]
+    torch.testing.assert_close(mapped, torch.stack(singles).detach(), rtol=1e-12, atol=1e-12)
