@@ -30,6 +30,7 @@ Run from the repository root: ``python -m benchmarks.regression_head``
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import pyro.distributions as pdist
@@ -147,7 +148,8 @@ def main(argv=None) -> None:
     reference = best["normal"]
     print(
         f"training step, batch {BATCH}, n = {N}, a = {A_ROWS}, MLP {IN}-{HIDDEN}-{HIDDEN}, "
-        f"float32, one thread; best of {REPEATS} x {STEPS} steps (CPU time)\n"
+        f"float32, one thread; best of {REPEATS} x {STEPS} steps (CPU time); load average "
+        f"{os.getloadavg()[0]:.1f} at the end of the run\n"
     )
     print("| head | step | vs plain Normal MLP |")
     print("| --- | --- | --- |")

@@ -251,14 +251,14 @@ def _factor_basis_t(basis_t: jax.Array, factor: jax.Array, diagonal: bool) -> ja
 
 @partial(jax.jit, static_argnames=("diagonal",))
 def _precompute(
-    loc: jax.Array,
     factor: jax.Array,
     A: jax.Array,
-    k: jax.Array,
     log_det_a_half: jax.Array,
     diagonal: bool,
 ) -> dict[str, jax.Array]:
-    """Everything that depends only on the parameters; O(n a^2 + a^3) when ``diagonal``.
+    """Everything that depends only on the covariance and ``A``; O(n a^2 + a^3) when
+    ``diagonal``. The conditional mean is computed on first use (:func:`_mean_kernel`):
+    ``log_prob`` does not need it.
 
     ``factor`` is the standard deviations (diagonal) or the lower Cholesky factor L of Sigma;
     ``log_det_a_half`` is ``1/2 log det(A A^T)`` from the :class:`LinearConstraint`.
@@ -282,17 +282,10 @@ def _precompute(
         jax.scipy.linalg.solve_triangular(r_factor, identity, lower=False), -1, -2
     )
     num_rows, n = A.shape[-2:]
-    # mu_bar is the Sigma^{-1}-orthogonal projection of loc onto the subspace: one step from
-    # loc, then one of refinement.
-    refine = partial(
-        _refine, A=A, k=k, factor=factor, basis_t=basis_t, r_inv_t=r_inv_t, diagonal=diagonal
-    )
-    mean = refine(refine(loc))
     return {
         "_basis_t": basis_t,
         "_r_inv_t": r_inv_t,
         "_prior_variance": prior_variance,
-        "_mean": mean,
         # log p(z) = -1/2 (z - mu_bar)^T Sigma^{-1} (z - mu_bar) + _log_normalizer on the
         # subspace: for A z = k the cross term with mu_bar - loc = K (k - A loc) vanishes,
         # so the squared distance splits into this one plus the one of log N(k; A loc, S).
@@ -307,19 +300,50 @@ def _precompute(
 
 
 @partial(jax.jit, static_argnames=("diagonal",))
+def _mean_kernel(
+    loc: jax.Array,
+    factor: jax.Array,
+    A: jax.Array,
+    k: jax.Array,
+    basis_t: jax.Array,
+    r_inv_t: jax.Array,
+    diagonal: bool,
+) -> jax.Array:
+    """``mu_bar``, the Sigma^{-1}-orthogonal projection of loc onto the subspace: one step
+    from loc, then one of refinement."""
+    refine = partial(
+        _refine, A=A, k=k, factor=factor, basis_t=basis_t, r_inv_t=r_inv_t, diagonal=diagonal
+    )
+    return refine(refine(loc))
+
+
+@partial(jax.jit, static_argnames=("diagonal", "projected"))
 def _log_prob_kernel(
     value: jax.Array,
-    mean: jax.Array,
+    center: jax.Array,
     factor: jax.Array,
+    basis_t: jax.Array,
     log_normalizer: jax.Array,
     A: jax.Array,
     k: jax.Array,
     rtol: jax.Array,
     diagonal: bool,
+    projected: bool,
 ) -> tuple[jax.Array, jax.Array]:
-    """(log density, or -inf off the subspace; whether each value is on the subspace)."""
-    diff = value - mean
-    if diagonal:
+    """(log density, or -inf off the subspace; whether each value is on the subspace).
+
+    ``center`` is ``loc`` when ``projected`` (diagonal scale, value of the parameters'
+    dtype), else the conditional mean ``mu_bar``.
+    """
+    diff = value - center
+    if projected:
+        # On the subspace, L^{-1} (z - mu_bar) = (I - Q Q^T) L^{-1} (z - loc): an orthogonal
+        # projection in whitened coordinates, which needs neither mu_bar (two refinement
+        # passes) nor k, and is as accurate as the difference from mu_bar.
+        whitened = diff / factor
+        whitened = whitened - _combine_rows(_rows_times(basis_t, whitened), basis_t)
+        mahalanobis = jnp.sum(jnp.square(whitened), -1)
+    elif diagonal:
         mahalanobis = jnp.sum(jnp.square(diff / factor), -1)
     else:
         batch = jnp.broadcast_shapes(diff.shape[:-1], factor.shape[:-2])
@@ -383,7 +407,6 @@ _LEAF_EVENT_NDIMS = {
     "_basis_t": 2,
     "_r_inv_t": 2,
     "_prior_variance": 1,
-    "_mean": 1,
     "_log_normalizer": 0,
     "_constraint_basis_t": 2,
     "_constraint_r_inv_t": 2,
@@ -453,8 +476,10 @@ class LinearConstrainedNormal(Distribution):
     the quantities precomputed from them, all set by ``__init__``: the tree structure is the
     same before and after any method call, so a distribution can be a ``jit`` argument or a
     ``lax.scan`` carry. ``scale`` and ``scale_tril`` are computed from the stored factor on
-    each access. ``arg_constraints`` describe the constructor's arguments; the property
-    :attr:`covariance_matrix` is the conditional covariance (rank n - a), not the argument.
+    each access; the conditional mean on first use (kept when concrete, not a leaf), since
+    ``log_prob`` does not need it. ``arg_constraints`` describe the constructor's
+    arguments; the property :attr:`covariance_matrix` is the conditional covariance (rank
+    n - a), not the argument.
 
     **Cost.** With a diagonal covariance (``scale``) construction is O(n a^2 + a^3) and every
     call O(n a); no n x n matrix is formed except by :attr:`covariance_matrix`. With a full
@@ -526,7 +551,6 @@ class LinearConstrainedNormal(Distribution):
         "_basis_t",
         "_r_inv_t",
         "_prior_variance",
-        "_mean",
         "_log_normalizer",
         # The factorisation of A (its LinearConstraint's leaves), so that a distribution
         # rebuilt from its leaves (jit, vmap, scan) can hand its constraint on (support,
@@ -607,14 +631,7 @@ class LinearConstrainedNormal(Distribution):
         self.k = k
         self.grad_estimator = grad_estimator
         super().__init__(batch_shape, (n,), validate_args=validate_args)
-        cached = _precompute(
-            self.loc,
-            factor,
-            self.A,
-            k,
-            constraint._log_det_half,
-            diagonal=self._diagonal,
-        )
+        cached = _precompute(factor, self.A, constraint._log_det_half, diagonal=self._diagonal)
         for name, value in cached.items():
             setattr(self, name, value)
         self._leaf_batch_ndims = self._batch_ndims_of_leaves()
@@ -819,7 +836,8 @@ class LinearConstrainedNormal(Distribution):
         new = copy.copy(self)
         event = self.event_shape
         new.loc = jnp.broadcast_to(self.loc, batch_shape + event)
-        new._mean = jnp.broadcast_to(self._mean, batch_shape + event)
+        if "_mean_cache" in self.__dict__:
+            new._mean_cache = jnp.broadcast_to(self._mean_cache, batch_shape + event)
         new._log_normalizer = jnp.broadcast_to(self._log_normalizer, batch_shape)
         new._batch_shape = batch_shape
         new._leaf_batch_ndims = new._batch_ndims_of_leaves()
@@ -828,6 +846,29 @@ class LinearConstrainedNormal(Distribution):
     @constraints.dependent_property(is_discrete=False, event_dim=1)
     def support(self) -> AffineSubspace:
         return AffineSubspace(self.constraint, self.k)
+
+    @property
+    def _mean(self) -> jax.Array:
+        """``mu_bar``, computed on first use (the NLL, ``log_prob``, does not need it) and
+        kept when concrete. Not a pytree leaf: a cache whose presence changed the tree
+        structure would break ``lax.scan`` carries and ``jit`` arguments; a traced value is
+        not kept, so none leaks out of a trace."""
+        cached = self.__dict__.get("_mean_cache")
+        if cached is not None:
+            return cached
+        with jax.ensure_compile_time_eval():
+            mean = _mean_kernel(
+                self.loc,
+                self._factor,
+                self.A,
+                self.k,
+                self._basis_t,
+                self._r_inv_t,
+                diagonal=self._diagonal,
+            )
+        if not_jax_tracer(mean):
+            self.__dict__["_mean_cache"] = mean
+        return mean
 
     @property
     def mean(self) -> jax.Array:
@@ -879,15 +920,18 @@ class LinearConstrainedNormal(Distribution):
         value_dtype = jnp.result_type(value)
         if not jnp.issubdtype(value_dtype, jnp.floating):
             value_dtype = self.A.dtype
+        projected = self._diagonal and value_dtype == self.loc.dtype
         log_prob, _ = _log_prob_kernel(
             value,
-            self._mean,
+            self.loc if projected else self._mean,
             self._factor,
+            self._basis_t,
             self._log_normalizer,
             self.A,
             self.k,
             constraint._rtol_for(value_dtype),
             diagonal=self._diagonal,
+            projected=projected,
         )
         # NumPyro's own rule (Distribution._validate_sample): warn for concrete values, and
         # score them -inf, which the kernel already does with or without validation. The
@@ -974,7 +1018,6 @@ def _vmap_over_linear_constrained_normal(
         _basis_t=derived(factor, A),
         _r_inv_t=derived(factor, A),
         _prior_variance=derived(factor),
-        _mean=derived(loc, factor, A, k),
         _log_normalizer=derived(factor, A),
         _constraint_basis_t=derived(A),
         _constraint_r_inv_t=derived(A),
@@ -1027,6 +1070,7 @@ def _promote_batch_shape_linear_constrained_normal(dist: LinearConstrainedNormal
     # The LinearConstraint object kept for the unstacked leaves no longer matches them; the
     # constraint property rebuilds it from the new leaves.
     new.__dict__.pop("_constraint_object", None)
+    new.__dict__.pop("_mean_cache", None)  # of the old batch shape; recomputed on use
     new._batch_shape = batch_shape
     new._leaf_batch_ndims = new._batch_ndims_of_leaves()
     return new

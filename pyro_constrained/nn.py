@@ -202,11 +202,40 @@ class LinearConstrainedNormalHead(nn.Module):
 
     # -- the scaled coordinates --------------------------------------------------------------
 
+    def _standardisation(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(output_loc / output_scale, output_scale)``, each None where it is the identity
+        (zero offset, unit scale: the defaults), so that a training step skips those ops.
+        Recomputed only when a buffer is replaced or changed in place (``.to``,
+        ``load_state_dict``, ``calibrate`` leave them so): the key is the buffers themselves
+        and their version counters."""
+        output_loc, output_scale = self.output_loc, self.output_scale
+        versions = (output_loc._version, output_scale._version)
+        cached = self.__dict__.get("_standardisation_cache")
+        if cached is not None:
+            (cached_loc, cached_scale, cached_versions), values = cached
+            if (
+                cached_loc is output_loc
+                and cached_scale is output_scale
+                and cached_versions == versions
+            ):
+                return values
+        with torch.no_grad():
+            offset = self.output_loc / self.output_scale
+            values = (
+                None if bool((offset == 0).all()) else offset,
+                None if bool((self.output_scale == 1).all()) else self.output_scale,
+            )
+        self.__dict__["_standardisation_cache"] = ((output_loc, output_scale, versions), values)
+        return values
+
     def scaled_parameters(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loc, scale)`` in the scaled coordinates ``y / output_scale``:
         ``loc = output_loc / output_scale + W f + c`` and
         ``scale = min_scale + softplus(raw)``."""
-        loc = self.mean_layer(features) + self.output_loc / self.output_scale
+        offset, _ = self._standardisation()
+        loc = self.mean_layer(features)
+        if offset is not None:
+            loc = loc + offset
         if self.scale_kind == "per_example":
             # Detached: the scale branch reads the features but does not train them.
             raw = self.scale_net(features.detach())
@@ -270,7 +299,9 @@ class LinearConstrainedNormalHead(nn.Module):
         loss = self.loss_name if loss is None else loss
         if loss not in LOSSES:
             raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
-        target = target / self.output_scale
+        _, output_scale = self._standardisation()
+        if output_scale is not None:
+            target = target / output_scale
         loc, scale = self.scaled_parameters(features)
         if loss == "mse+nll":
             # The mean branch sees only squared error, the scale only likelihood (given loc).
