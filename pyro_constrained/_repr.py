@@ -1,30 +1,17 @@
-"""The one ``__repr__`` format of the distributions, as ``torch.distributions`` prints.
-
-``Normal(loc: torch.Size([3]), scale: torch.Size([3]))``: each parameter by name, its value
-when it has one element, else its shape. NumPyro's classes print the same way
-(``numpyro_constrained/_repr.py``), with the shape as a tuple.
-"""
+"""The one ``__repr__`` format of the distributions (``constrained_ppl/reprs.py``), with
+shapes as ``torch.Size``, as ``torch.distributions`` prints them."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
-
-def _format(value: torch.Tensor, integer: bool) -> str:
-    if value.numel() != 1:
-        return str(value.shape)
-    item = value.item()
-    # A count (k) is stored in the parameters' float dtype by some classes: print it as the
-    # integer it is, so that k reads the same in every class.
-    return str(int(item)) if integer and float(item).is_integer() else str(item)
+from constrained_ppl.reprs import parameters_repr as _parameters_repr
 
 
-def parameters_repr(
-    name: str, parameters: dict[str, torch.Tensor], integers: tuple[str, ...] = ()
-) -> str:
-    """``name(p: value-or-shape, ...)`` for the parameters in the order given; the names in
-    ``integers`` are counts, printed as integers when they have one element."""
-    args = ", ".join(
-        f"{key}: {_format(value, key in integers)}" for key, value in parameters.items()
-    )
-    return f"{name}({args})"
+def _describe(value: torch.Tensor) -> tuple[str, float | None]:
+    return str(value.shape), (value.item() if value.numel() == 1 else None)
+
+
+parameters_repr = partial(_parameters_repr, describe=_describe)
