@@ -53,7 +53,9 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from constrained_ppl.arguments import check_head_options
 from numpyro_constrained.linear_constrained_normal import LinearConstrainedNormal
 from numpyro_constrained.linear_constraint import LinearConstraint
 from numpyro_constrained.losses import expected_l1_loss, expected_l2_loss
@@ -126,20 +128,16 @@ def init_head(
         raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
     if not isinstance(constraint, LinearConstraint):
         raise ValueError(f"constraint must be a LinearConstraint, got {type(constraint).__name__}")
-    if not (min_scale > 0 and math.isfinite(min_scale)):
-        raise ValueError(f"min_scale must be positive and finite, got {min_scale}")
-    if not init_scale > min_scale:
-        raise ValueError(f"init_scale ({init_scale}) must exceed min_scale ({min_scale})")
     n = constraint.n
     output_loc = jnp.zeros(n, dtype) if output_loc is None else jnp.asarray(output_loc, dtype)
     output_scale = jnp.ones(n, dtype) if output_scale is None else jnp.asarray(output_scale, dtype)
-    for name, value in (("output_loc", output_loc), ("output_scale", output_scale)):
-        if value.shape != (n,):
-            raise ValueError(f"{name} must have shape ({n},), got {value.shape}")
-        if not bool(jnp.isfinite(value).all()):
-            raise ValueError(f"{name} must be finite")
-    if not bool((output_scale > 0).all()):
-        raise ValueError("output_scale must be positive")
+    check_head_options(
+        n,
+        min_scale=min_scale,
+        init_scale=init_scale,
+        output_loc=np.asarray(output_loc),
+        output_scale=np.asarray(output_scale),
+    )
 
     key_mean, key_hidden = jax.random.split(key)
     raw_init = _inverse_softplus(init_scale - min_scale)

@@ -71,6 +71,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from constrained_ppl.arguments import check_head_options
 from pyro_constrained.linear_constrained_normal import LinearConstrainedNormal
 from pyro_constrained.linear_constraint import LinearConstraint
 from pyro_constrained.losses import expected_l1_loss, expected_l2_loss
@@ -143,22 +144,18 @@ class LinearConstrainedNormalHead(nn.Module):
             raise ValueError(
                 f"constraint must be a LinearConstraint, got {type(constraint).__name__}"
             )
-        if not (min_scale > 0 and math.isfinite(min_scale)):
-            raise ValueError(f"min_scale must be positive and finite, got {min_scale}")
-        if not init_scale > min_scale:
-            raise ValueError(f"init_scale ({init_scale}) must exceed min_scale ({min_scale})")
         n = constraint.n
         dtype = constraint.A.dtype
         device = constraint.A.device
         output_loc = torch.zeros(n) if output_loc is None else torch.as_tensor(output_loc)
         output_scale = torch.ones(n) if output_scale is None else torch.as_tensor(output_scale)
-        for name, value in (("output_loc", output_loc), ("output_scale", output_scale)):
-            if value.shape != (n,):
-                raise ValueError(f"{name} must have shape ({n},), got {tuple(value.shape)}")
-            if not bool(torch.isfinite(value).all()):
-                raise ValueError(f"{name} must be finite")
-        if not bool((output_scale > 0).all()):
-            raise ValueError("output_scale must be positive")
+        check_head_options(
+            n,
+            min_scale=min_scale,
+            init_scale=init_scale,
+            output_loc=output_loc.detach().cpu().numpy(),
+            output_scale=output_scale.detach().cpu().numpy(),
+        )
         self.constraint = constraint
         self.loss_name = loss
         self.scale_kind = scale

@@ -1,7 +1,10 @@
 """The project's own promises: CI runs the README's test command."""
 
+import inspect
 import re
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,8 +28,6 @@ def test_readme_main_job_runs_a_package():
 
 def _docstring_layout(obj) -> tuple[list[str], list[str]]:
     """The ``:param name:`` entries and the numpydoc section headings, in order."""
-    import inspect
-
     lines = (inspect.getdoc(obj) or "").splitlines()
     params = [m.group(1) for line in lines if (m := re.match(r"\s*:param (\w+):", line))]
     headings = [
@@ -38,8 +39,6 @@ def _docstring_layout(obj) -> tuple[list[str], list[str]]:
 
 
 def test_public_docstrings_have_the_same_layout_in_both_packages():
-    import pytest
-
     pyro_constrained = pytest.importorskip("pyro_constrained")
     numpyro_constrained = pytest.importorskip("numpyro_constrained")
     shared = sorted(set(pyro_constrained.__all__) & set(numpyro_constrained.__all__))
