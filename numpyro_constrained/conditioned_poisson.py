@@ -1,11 +1,11 @@
 """Independent Poissons conditioned on their sum: ``ConditionedPoisson(rate, k=k)``.
 
 ``z_i ~ Poisson(rate_i)`` independently, conditioned on ``sum_i z_i = k``, is
-``Multinomial(k, p)`` with ``p = rate / sum(rate)`` (MATH.md section 3). Unlike
-``numpyro.distributions.Multinomial``, ``k`` may vary over the batch (bags with different
-known totals) and be traced under ``jit`` / ``vmap``, the support check demands
-``sum z == k`` exactly, ``sample`` carries the straight-through marginal-expectation
-gradient, and the entropy is exact and fast.
+``Multinomial(k, p)`` with ``p = rate / sum(rate)`` (docs/distributions/conditioned_poisson.md).
+Unlike ``numpyro.distributions.Multinomial``, ``k`` may vary over the batch (bags with different
+known totals) and be traced under ``jit`` / ``vmap``, the support check demands ``sum z == k``
+exactly, ``sample`` carries the straight-through marginal-expectation gradient, and the entropy is
+exact and fast.
 """
 
 from __future__ import annotations
@@ -24,13 +24,16 @@ from numpyro.distributions.distribution import Distribution
 from numpyro.distributions.kl import kl_divergence
 from numpyro.util import not_jax_tracer
 
-from constrained_ppl_common.arguments import check_count, check_static_bound, check_value_shape
-from constrained_ppl_common.binomial_tails import bennett_deviation, entropy_log_inverse_tail
-from constrained_ppl_common.exact_integers import (
+from constrained_ppl.arguments import check_count, check_static_bound, check_value_shape
+from constrained_ppl.binomial_tails import bennett_deviation, entropy_log_inverse_tail
+from constrained_ppl.enumeration import check_support_size, compositions, single_count
+from constrained_ppl.exact_integers import (
     check_k_max_bounds_k,
     check_total_in_exact_range,
     largest_exact_integer,
 )
+from numpyro_constrained._repr import parameters_repr
+from numpyro_constrained.exactly_k_bernoulli import refuse_scalar_coordinate_consumers
 from numpyro_constrained.validation import as_concrete_where_possible, warn_if_out_of_support
 
 __all__ = ["ConditionedPoisson", "integer_composition", "positive_finite"]
@@ -381,10 +384,16 @@ def _sample_counts_categorical(key, rate, k, *, k_max: int, sample_shape: tuple[
     draws = jnp.minimum(draws, n - 1).reshape(rows, num_samples, k_max)
     k_rows = jnp.broadcast_to(k, batch_shape).reshape(rows, 1, 1)
     keep = (jnp.arange(k_max) < k_rows).astype(dtype)
-    row_index = jnp.arange(rows)[:, None, None]
-    sample_index = jnp.arange(num_samples)[None, :, None]
-    counts = jnp.zeros((rows, num_samples, n), dtype)
-    counts = counts.at[row_index, sample_index, draws].add(jnp.broadcast_to(keep, draws.shape))
+    sample_index = jnp.arange(num_samples)[:, None]
+
+    def count(row_draws, row_keep):
+        return jnp.zeros((num_samples, n), dtype).at[sample_index, row_draws].add(row_keep)
+
+    # One scatter per row under vmap, not one scatter with a row index: the vmapped scatter
+    # carries the rows as a batching dimension, so a batch sharded over devices is counted
+    # where it lives; XLA cannot partition a scatter whose row index is data, and made every
+    # device build the whole batch's counts and all-reduce them.
+    counts = jax.vmap(count)(draws, jnp.broadcast_to(keep, draws.shape))
     counts = jnp.where(k_rows > k_max, jnp.nan, counts)
     counts = jnp.moveaxis(counts, 1, 0)
     return counts.reshape(sample_shape + batch_shape + (n,))
@@ -430,9 +439,10 @@ class ConditionedPoisson(Distribution):
     shape is the broadcast of the two, the event shape ``rate.shape[-1:]``.
 
     ``sample`` returns an exact sample whose gradient is the straight-through
-    marginal-expectation estimator through ``E[z] = k p`` (MATH.md section 4): the value is
-    exactly integer and sums exactly to ``k``; ``has_rsample`` is true, so ``Trace_ELBO``
-    treats the site as reparameterised. ``marginals`` are ``Binomial(k, p_i)``.
+    marginal-expectation estimator through ``E[z] = k p``
+    (docs/distributions/gradient_estimators.md): the value is exactly integer and sums exactly to
+    ``k``; ``has_rsample`` is true, so ``Trace_ELBO`` treats the site as reparameterised.
+    ``marginals`` are ``Binomial(k, p_i)``.
 
     Numerics: ``p`` is normalised in log space, and ``log_prob``, ``entropy``, ``mean``,
     ``variance``, KL and ``log_constraint_prob`` accumulate in float64 where JAX has it
@@ -443,22 +453,22 @@ class ConditionedPoisson(Distribution):
 
     ``k``: an int, an integer array, or whole-number floats (``3.0``, as
     ``Binomial.total_count``); ``3.5``, a bool, a complex number or NaN is a ``ValueError``
-    whatever ``validate_args`` says (`constrained_ppl_common.arguments.check_count`). A
+    whatever ``validate_args`` says (`constrained_ppl.arguments.check_count`). A
     negative ``k`` is a ``ValueError`` with validation on; with it off (or with a traced
     ``k``, which cannot be checked) a negative or fractional ``k`` gives ``-inf``
     log-probabilities and NaN ``mean``, ``variance``, ``entropy`` and samples, never a
     finite number.
 
-    ``k_max``, a static bound on ``k``, is kept exactly as given (None or an int): it is
-    pytree aux data, so that a distribution built with a concrete ``k`` and one built with
-    a traced ``k`` have the same tree structure (a ``lax.scan`` carry, a ``jit`` argument).
-    The size of the tables a call needs is decided when it is called: from ``k``'s values
-    when ``k`` is concrete, else from ``k_max`` (the read-only property ``k_max`` is that
-    bound, or None). A traced ``k`` without ``k_max`` has none: ``sample`` then draws
-    sequential binomials, ``entropy`` raises. A concrete ``k`` above ``k_max`` is a
+    ``k_max``, a static bound on ``k``, is kept exactly as given (None or an int): it is pytree
+    aux data, so that a distribution built with a concrete ``k`` and one built with a traced
+    ``k`` have the same tree structure (a ``lax.scan`` carry, a ``jit`` argument). The size of
+    the tables a call needs is decided when it is called: from ``k``'s values when ``k`` is
+    concrete, else from ``k_max`` (the attribute ``k_max`` is what was passed, as in
+    ``ExactlyKBernoulli`` and in Pyro). A traced ``k`` without ``k_max`` has none: ``sample``
+    then draws sequential binomials, ``entropy`` raises. A concrete ``k`` above ``k_max`` is a
     ``ValueError``; a traced ``k`` above it gives ``-inf`` log-probabilities and NaN moments
-    and samples rather than anything silently wrong. A traced ``k`` beyond the exact
-    integers of ``rate``'s dtype without ``k_max`` cannot be detected.
+    and samples rather than anything silently wrong. A traced ``k`` beyond the exact integers
+    of ``rate``'s dtype without ``k_max`` cannot be detected.
 
     Parameter constraints: ``rate`` has event_dim 1 (its last axis is the event), ``k``
     event_dim 0, which is what ``promote_batch_shape`` (``numpyro.contrib.control_flow.scan``)
@@ -470,6 +480,27 @@ class ConditionedPoisson(Distribution):
     :param k_max: a static upper bound on ``k`` (a Python int), needed only where ``k`` is
         traced (an argument of ``jit``, ``vmap``, ``scan``): with it, sampling keeps the
         categorical sampler, and ``entropy`` and the expected L1 loss are possible.
+
+    Examples
+    --------
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import numpy as np
+    >>> import numpyro.distributions as dist
+    >>> from numpyro_constrained import ConditionedPoisson
+    >>> rate = jnp.array([1.0, 2.0, 5.0])
+    >>> d = ConditionedPoisson(rate, k=8)
+    >>> d
+    ConditionedPoisson(rate: (3,), k: 8)
+    >>> np.round(d.mean, 4).tolist()  # k p, with p = rate / sum(rate)
+    [1.0, 2.0, 5.0]
+    >>> z = d.sample(jax.random.PRNGKey(0), (4,))  # exact integer draws summing to 8
+    >>> z.shape, bool((z.sum(-1) == 8).all()), bool((z == jnp.round(z)).all())
+    ((4, 3), True, True)
+    >>> value = jnp.array([1.0, 2.0, 5.0])
+    >>> multinomial = dist.Multinomial(8, probs=rate / rate.sum())
+    >>> bool(jnp.isclose(d.log_prob(value), multinomial.log_prob(value)))
+    True
     """
 
     arg_constraints = {
@@ -478,8 +509,11 @@ class ConditionedPoisson(Distribution):
     }
     reparametrized_params = ["rate"]
     pytree_data_fields = ("rate", "k")
+    has_enumerate_support = True
+    #: The largest support that `enumerate_support` builds (a ``ValueError`` beyond it).
+    max_support = 2**16
     # Exactly what the user passed, never derived from k: see the class docstring.
-    pytree_aux_fields = ("_k_max",)
+    pytree_aux_fields = ("k_max",)
 
     def __init__(
         self,
@@ -525,7 +559,7 @@ class ConditionedPoisson(Distribution):
                 ) from error
             self.rate = jnp.broadcast_to(rate, batch_shape + event_shape)
             self.k = jnp.broadcast_to(k, batch_shape)
-        self._k_max = k_max
+        self.k_max = k_max
         super().__init__(batch_shape, event_shape, validate_args=validate_args)
 
     @classmethod
@@ -544,21 +578,20 @@ class ConditionedPoisson(Distribution):
         new = ConditionedPoisson.__new__(ConditionedPoisson)
         new.rate = jnp.broadcast_to(self.rate, batch_shape + self.event_shape)
         new.k = jnp.broadcast_to(self.k, batch_shape)
-        new._k_max = self._k_max
+        new.k_max = self.k_max
         Distribution.__init__(new, batch_shape, self.event_shape, validate_args=False)
         new._validate_args = self._validate_args
         return new
 
-    @property
-    def k_max(self) -> int | None:
+    def _table_bound(self) -> int | None:
         """The static bound on ``k`` that sizes the tables of a call: the largest ``k`` (at
         least 0) when ``k`` is concrete, else the ``k_max`` passed, else None. Worked out
-        when read, never stored, so that the pytree does not depend on whether ``k`` is
+        when called, never stored, so that the pytree does not depend on whether ``k`` is
         concrete."""
         if not_jax_tracer(self.k):
             largest = _largest_finite(np.asarray(self.k))
             return 0 if largest is None else max(largest, 0)
-        return self._k_max
+        return self.k_max
 
     def _k_out_of_range(self):
         """Where ``k`` is no count within the bound (negative, fractional, NaN, or above the
@@ -570,14 +603,14 @@ class ConditionedPoisson(Distribution):
             k_np = np.asarray(k)
             # NaN != NaN flags NaN too.
             bad = (k_np < 0) | (k_np != np.floor(k_np))
-            if self._k_max is not None:
-                bad |= k_np > self._k_max
+            if self.k_max is not None:
+                bad |= k_np > self.k_max
             return jnp.asarray(bad) if bad.any() else None
         bad = k < 0
         if jnp.issubdtype(k.dtype, jnp.floating):
             bad = bad | (k != jnp.floor(k))
-        if self._k_max is not None:
-            bad = bad | (k > self._k_max)
+        if self.k_max is not None:
+            bad = bad | (k > self.k_max)
         return bad
 
     def _mask_out_of_range_k(self, x, fill, *, event: bool):
@@ -599,6 +632,62 @@ class ConditionedPoisson(Distribution):
     def _log_p(self):
         """``log p`` in the accumulation dtype (`_log_probs_only`)."""
         return _log_probs_only(self.rate)
+
+    def enumerate_support(self, expand: bool = True) -> jax.Array:
+        """Every composition of ``k`` into ``n`` non-negative parts once (all have positive
+        probability), shape ``(count,) + batch_shape + (n,)`` (``expand=True``) or
+        ``(count,) + (1,) * len(batch_shape) + (n,)`` (``expand=False``), as NumPyro's
+        ``OneHotCategorical``; in reverse lexicographic order (the first is
+        ``(k, 0, ..., 0)``). Needs one concrete ``k`` over the batch (else a
+        ``ValueError``). ``count = C(k + n - 1, n - 1)`` is computed before anything is
+        built; above ``max_support`` it is a ``ValueError``."""
+        name = type(self).__name__
+        refuse_scalar_coordinate_consumers(name)
+        with jax.ensure_compile_time_eval():
+            if not not_jax_tracer(self.k):
+                raise ValueError(
+                    f"{name}.enumerate_support needs a concrete k (the support's size is "
+                    "static), got a traced one"
+                )
+            k = single_count(self.k, name)
+        if k < 0:
+            raise ValueError(f"{name}.enumerate_support: k = {k} has an empty support")
+        n = self.event_shape[0]
+        count = math.comb(k + n - 1, n - 1)
+        check_support_size(count, self.max_support, name)
+        values = jnp.asarray(compositions(n, k), dtype=self.rate.dtype)
+        values = values.reshape((count,) + (1,) * len(self.batch_shape) + self.event_shape)
+        if expand:
+            values = jnp.broadcast_to(values, (count,) + self.batch_shape + self.event_shape)
+        return values
+
+    @property
+    def mode(self):
+        """The most likely composition (a multinomial mode), exact: every mode is at least
+        ``floor(k p)`` entrywise (the log-pmf is separable and concave in the counts), so
+        starting there and handing the remaining units one at a time
+        to the count with the largest gain ``log p_i - log(z_i + 1)`` is exact. Ties go to
+        the lower index, so among equally likely compositions the result is deterministic.
+        Works under ``jit``; NaN where ``k`` is out of range."""
+        log_p = self._log_p()
+        n = self.event_shape[0]
+        k = jnp.maximum(jnp.asarray(self.k, log_p.dtype), 0)
+        p = jnp.exp(log_p)
+        # A hair below k p, so that rounding never starts above a mode.
+        shrink = 1 - 8 * jnp.finfo(p.dtype).eps
+        start = jnp.clip(jnp.floor(k[..., None] * p * shrink), 0, k[..., None])
+        remaining = k - start.sum(-1)
+        index = jnp.arange(n)
+
+        def step(carry):
+            counts, remaining = carry
+            best = jnp.argmax(log_p - jnp.log1p(counts), axis=-1)  # ties: the lower index
+            add = (remaining > 0).astype(counts.dtype)
+            counts = counts + add[..., None] * (index == best[..., None]).astype(counts.dtype)
+            return counts, remaining - add
+
+        counts, _ = lax.while_loop(lambda c: jnp.any(c[1] > 0), step, (start, remaining))
+        return self._mask_out_of_range_k(counts.astype(self.rate.dtype), jnp.nan, event=True)
 
     @property
     def probs(self):
@@ -658,7 +747,7 @@ class ConditionedPoisson(Distribution):
             dtype = jnp.result_type(self.rate.dtype, value.dtype)
         else:
             dtype = self.rate.dtype
-        k_bound = self.k_max
+        k_bound = self._table_bound()
         total_below_2_to_the_m = (
             k_bound is not None
             and jnp.issubdtype(value.dtype, jnp.floating)
@@ -670,6 +759,11 @@ class ConditionedPoisson(Distribution):
         if self._validate_args:
             warn_if_out_of_support(lambda: _is_integer_composition(value, self.k)[0])
         return self._mask_out_of_range_k(log_prob, -jnp.inf, event=False)
+
+    def __repr__(self) -> str:
+        return parameters_repr(
+            type(self).__name__, {"rate": self.rate, "k": self.k}, integers=("k",)
+        )
 
     def sample(self, key, sample_shape: tuple[int, ...] = ()):
         """An exact sample ``z`` returned as ``z + (m - stop_gradient(m))`` with ``m = k p``:
@@ -685,7 +779,7 @@ class ConditionedPoisson(Distribution):
         rate = lax.stop_gradient(self.rate)
         k = lax.stop_gradient(self.k)
         n = rate.shape[-1]
-        k_bound = self.k_max
+        k_bound = self._table_bound()
         if k_bound == 0:
             # Every k is 0 (a larger traced k is out of range, NaN below).
             z = jnp.zeros(sample_shape + rate.shape, dtype)
@@ -715,7 +809,7 @@ class ConditionedPoisson(Distribution):
         Needs a static bound on ``k`` (`k_max`): with a traced ``k``, pass ``k_max``. NaN
         where ``k`` is out of range.
         """
-        k_bound = self.k_max
+        k_bound = self._table_bound()
         if k_bound is None:
             raise ValueError(
                 "ConditionedPoisson.entropy needs a static bound on k: pass k_max= when k is "

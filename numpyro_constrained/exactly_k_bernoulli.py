@@ -1,10 +1,15 @@
-"""ExactlyKBernoulli: independent Bernoullis conditioned on exactly k ones (MATH.md section 1).
+"""ExactlyKBernoulli: independent Bernoullis conditioned on exactly k ones.
+
+The math: ``docs/distributions/exactly_k_bernoulli.md``.
+
 
 The numerical work (log normaliser, marginals, exact sampling) lives in
 :mod:`numpyro_constrained.exactly_k_kernels`; this module handles parameters, infinite
 logits, validation, shapes and the framework's protocols (pytree, ``vmap_over``, KL).
 """
 
+import math
+import sys
 from functools import partial
 from typing import NamedTuple
 
@@ -18,8 +23,10 @@ from numpyro.distributions.distribution import Distribution
 from numpyro.distributions.kl import kl_divergence
 from numpyro.util import not_jax_tracer
 
-from constrained_ppl_common.arguments import check_count, check_static_bound, check_value_shape
+from constrained_ppl.arguments import check_count, check_static_bound, check_value_shape
+from constrained_ppl.enumeration import check_support_size, k_hot_table, single_count
 from numpyro_constrained import exactly_k_kernels as kernels
+from numpyro_constrained._repr import parameters_repr
 from numpyro_constrained.validation import (
     as_concrete_where_possible,
     is_concrete,
@@ -139,6 +146,26 @@ class ExactlyKBernoulli(Distribution):
     concrete value outside the support warns (NumPyro's "Out-of-support values" warning)
     and returns ``-inf``; a value whose shape does not end in the event shape or does not
     broadcast with the batch shape is a ``ValueError`` always.
+
+    Examples
+    --------
+    >>> import math
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> from numpyro_constrained import ExactlyKBernoulli
+    >>> d = ExactlyKBernoulli(logits=jnp.array([2.0, 0.0, -1.0, 0.5]), k=2)
+    >>> d
+    ExactlyKBernoulli(logits: (4,), k: 2)
+    >>> z = d.sample(jax.random.PRNGKey(0), (3,))  # exact 2-hot draws, SIMPLE gradient
+    >>> z.shape, bool((z.sum(-1) == 2).all())
+    ((3, 4), True)
+    >>> round(float(d.mean.sum()), 4)  # the inclusion probabilities sum to k
+    2.0
+    >>> support = d.enumerate_support()  # the C(4, 2) = 6 two-hot vectors
+    >>> support.shape, round(float(jnp.exp(d.log_prob(support)).sum()), 4)
+    ((6, 4), 1.0)
+    >>> bool(d.entropy() < math.log(6))  # below the uniform k-subset's entropy
+    True
     """
 
     # probs first: given probs, the logits derived from them are NaN where probs are invalid,
@@ -155,6 +182,9 @@ class ExactlyKBernoulli(Distribution):
     # a count, has no gradient; the samples still carry the straight-through gradient, so
     # ELBOs must treat the site as reparameterised (not switch to score functions).
     has_rsample = True
+    has_enumerate_support = True
+    #: The largest support that `enumerate_support` builds (a ``ValueError`` beyond it).
+    max_support = 2**16
     # All three are set by __init__, expand and tree_unflatten (probs is always stored, never
     # a lazy cache: Distribution.tree_flatten reads __dict__, so a cache that appears once
     # computed would change the tree structure). k_max is exactly what the caller passed.
@@ -304,6 +334,51 @@ class ExactlyKBernoulli(Distribution):
         ``batch + (n,)``."""
         return Bernoulli(probs=self._marginal_probs, validate_args=False)
 
+    def enumerate_support(self, expand: bool = True) -> jax.Array:
+        """Every k-hot vector of the support once, shape ``(count,) + batch_shape + (n,)``
+        (``expand=True``) or ``(count,) + (1,) * len(batch_shape) + (n,)`` (``expand=False``),
+        as NumPyro's ``OneHotCategorical``; in lexicographic order of the positions of the
+        ones. Needs one concrete ``k`` over the batch (else a ``ValueError``). Variables
+        with infinite logits (probs 0 or 1), when the logits are concrete, are fixed:
+        vectors that violate them have probability 0 and are left out, so they must be the
+        same over the batch (else a ``ValueError``); with traced logits every k-hot vector
+        is listed and the impossible ones get ``-inf`` log-probabilities.
+        ``count = C(n_free, k - n_on)`` is computed before anything is built; above
+        ``max_support`` it is a ``ValueError``."""
+        name = type(self).__name__
+        refuse_scalar_coordinate_consumers(name)
+        n = self.event_shape[0]
+        with jax.ensure_compile_time_eval():
+            k_all, logits = self.k, self.logits
+            if not not_jax_tracer(k_all):
+                raise ValueError(
+                    f"{name}.enumerate_support needs a concrete k (the support's size is "
+                    "static), got a traced one"
+                )
+            k = single_count(k_all, name)
+            forced_on, forced_off = [], []
+            if not_jax_tracer(logits):
+                flat = np.asarray(logits).reshape(-1, n)
+                on, off = flat == np.inf, flat == -np.inf
+                if flat.shape[0] and ((on != on[:1]).any() or (off != off[:1]).any()):
+                    raise ValueError(
+                        f"{name}.enumerate_support needs the infinite logits (probs 0 or 1) "
+                        "to be the same over the batch (one support)"
+                    )
+                if flat.shape[0]:
+                    forced_on = np.flatnonzero(on[0]).tolist()
+                    forced_off = np.flatnonzero(off[0]).tolist()
+        free = n - len(forced_on) - len(forced_off)
+        rest = k - len(forced_on)
+        count = math.comb(free, rest) if 0 <= rest <= free else 0
+        check_support_size(count, self.max_support, name)
+        table = k_hot_table(n, k, forced_on, forced_off)
+        values = jnp.asarray(table, dtype=jnp.result_type(self.logits.dtype))
+        values = values.reshape((count,) + (1,) * len(self.batch_shape) + self.event_shape)
+        if expand:
+            values = jnp.broadcast_to(values, (count,) + self.batch_shape + self.event_shape)
+        return values
+
     @property
     def mode(self) -> jax.Array:
         """The most likely k-hot vector: ones at the k largest logits (ties go to the lower
@@ -333,6 +408,11 @@ class ExactlyKBernoulli(Distribution):
             # A support that also depends on the infinite logits.
             warn_if_out_of_support(lambda: _in_support(self.logits, self.k, value))
         return log_prob
+
+    def __repr__(self) -> str:
+        return parameters_repr(
+            type(self).__name__, {"logits": self.logits, "k": self.k}, integers=("k",)
+        )
 
     def sample(self, key, sample_shape=()) -> jax.Array:
         """An exact draw ``z`` (0.0 / 1.0 entries summing to k) carrying the straight-through
@@ -436,6 +516,51 @@ def _kl_exactly_k_bernoulli(p: ExactlyKBernoulli, q: ExactlyKBernoulli) -> jax.A
 # every JAX operation compiles once per shape, and one compilation for a dozen operations
 # is about ten times cheaper. The kernels stay separate calls so that their (larger)
 # compilations are shared between the methods.
+
+
+# NumPyro's consumers of enumerate_support that treat a site as independent scalar
+# coordinates, each taking the values 0 .. size - 1 (numpyro 0.22): DiscreteHMCGibbs and
+# MixedHMC size their one-coordinate-at-a-time proposals with
+# numpyro.infer.gibbs.discrete_support_sizes, and numpyro.contrib.funsor's enum messenger
+# replaces the value by the index arange(size). Neither can represent a k-hot vector or a
+# composition: Gibbs proposals leave the support and are all rejected (the chain silently
+# never moves), and funsor passes indices of the wrong shape to log_prob.
+_GIBBS = (
+    "DiscreteHMCGibbs / MixedHMC propose one scalar coordinate at a time (values 0 .. "
+    "size - 1), which cannot keep it in its support: every proposal would be rejected "
+    "and the chain would silently never move"
+)
+_FUNSOR = (
+    "numpyro.contrib.funsor's enumeration (config_enumerate with TraceEnum_ELBO, "
+    "infer_discrete, or NUTS/HMC on a model with discrete latents) replaces a site's value "
+    "by the index 0 .. size - 1, which only works for scalar-valued sites"
+)
+_SCALAR_COORDINATE_CONSUMERS = {
+    ("numpyro.infer.gibbs", "discrete_support_sizes"): _GIBBS,
+    ("numpyro.infer.hmc_gibbs", "discrete_support_sizes"): _GIBBS,
+    ("numpyro.contrib.funsor.enum_messenger", "process_message"): _FUNSOR,
+}
+
+
+def refuse_scalar_coordinate_consumers(name: str, depth: int = 8) -> None:
+    """A ``ValueError`` when ``enumerate_support`` is called by one of NumPyro's machines
+    that enumerate each scalar coordinate separately (`_SCALAR_COORDINATE_CONSUMERS`),
+    saying what to do instead."""
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        frame = frame.f_back
+        if frame is None:
+            return
+        key = (frame.f_globals.get("__name__"), frame.f_code.co_name)
+        if key in _SCALAR_COORDINATE_CONSUMERS:
+            raise ValueError(
+                f"{name} is an event-shaped discrete site (a k-hot vector or a "
+                f"composition): {_SCALAR_COORDINATE_CONSUMERS[key]}. Enumerate it instead "
+                "through an index: `support = d.enumerate_support()`, "
+                "`i = numpyro.sample(name, dist.Categorical(logits=d.log_prob(support)))`, "
+                "`z = support[i]` (then TraceEnum_ELBO, infer_discrete, DiscreteHMCGibbs and "
+                "NUTS with enumeration all work on `i`; see the README)."
+            )
 
 
 class _FreeProblem(NamedTuple):

@@ -1,4 +1,7 @@
-"""A Gaussian conditioned on linear equalities ``A z = k`` (MATH.md section 2).
+"""A Gaussian conditioned on linear equalities ``A z = k``.
+
+The math: ``docs/distributions/linear_constrained_normal.md``.
+
 
 Holds :class:`LinearConstrainedNormal`, its support constraint (the affine subspace
 ``{z : A z = k}``), the isometric bijection from ``R^(n - a)`` onto that subspace (registered
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from functools import partial
 
 import jax
@@ -24,128 +28,93 @@ from numpyro.distributions.kl import kl_divergence
 from numpyro.distributions.transforms import Transform, biject_to
 from numpyro.util import not_jax_tracer
 
-from constrained_ppl_common.arguments import check_value_shape
+from constrained_ppl.arguments import check_value_shape
+from numpyro_constrained._repr import parameters_repr
+from numpyro_constrained.linear_constraint import (
+    LinearConstraint,
+    _after,
+    _check_finite,
+    _check_rtol,
+    _combine_rows,
+    _row_sorted_qr,
+    _rows_times,
+    _within_tolerance,
+)
 from numpyro_constrained.validation import (
+    OUT_OF_SUPPORT_MESSAGE,
+    _stack_level_outside,
     as_concrete_where_possible,
     is_concrete,
-    warn_if_out_of_support,
 )
 
 GRAD_ESTIMATORS = ("marginal_expectation", "pathwise")
 
 
-def _rows_times(matrix: jax.Array, vector: jax.Array) -> jax.Array:
-    """``matrix @ vector`` over the last dimensions: (..., a, n) x (..., n) -> (..., a).
-
-    Written as a row vector times the transposed matrix so that an unbatched ``matrix`` and
-    a batched ``vector`` become one matrix-matrix product.
-    """
-    return (vector[..., None, :] @ jnp.swapaxes(matrix, -1, -2))[..., 0, :]
-
-
-def _combine_rows(coefficients: jax.Array, rows: jax.Array) -> jax.Array:
-    """``coefficients^T @ rows``: (..., a) x (..., a, n) -> (..., n)."""
-    return (coefficients[..., None, :] @ rows)[..., 0, :]
+def _as_constraint(A, k: jax.Array) -> LinearConstraint:
+    """``A`` itself when it is a :class:`LinearConstraint`, else one built (unchecked) from
+    the matrix ``A`` in the dtype of its promotion with ``k``."""
+    if isinstance(A, LinearConstraint):
+        return A
+    A = jnp.asarray(A)
+    return LinearConstraint._build(A.astype(jnp.result_type(A, k)), None, validate=False)
 
 
-def _subspace_tolerance(dtype) -> float:
-    # A dot product of length n in floating point is off by about sqrt(n) eps relative to
-    # ||A_j|| ||z||; sqrt(eps) leaves room for sums of 10^5 terms and for the QR basis of the
-    # bijection, and still rejects any value that is visibly off the subspace.
-    return math.sqrt(float(jnp.finfo(dtype).eps))
-
-
-def _on_subspace(value: jax.Array, A: jax.Array, k: jax.Array) -> jax.Array:
-    """Whether each event of ``value`` satisfies ``A value = k`` to rounding error.
-
-    The tolerance for row j is ``sqrt(eps) (||A_j|| ||value|| + |k_j|)``, which bounds the
-    rounding error of the dot product ``A_j . value`` (Cauchy-Schwarz) without a second
-    matrix product; ``eps`` is that of the less precise of the value's and the parameters'
-    dtypes (a float64 value is on a float32 subspace only to float32 precision).
-    """
-    value = jnp.asarray(value)
-    if not jnp.issubdtype(value.dtype, jnp.floating):
-        value = value.astype(A.dtype)
-    tolerance = max(_subspace_tolerance(value.dtype), _subspace_tolerance(A.dtype))
-    residual = _rows_times(A, value) - k
-    bound = jnp.linalg.norm(A, axis=-1) * jnp.linalg.norm(value, axis=-1, keepdims=True) + jnp.abs(
-        k
-    )
-    return jnp.all(jnp.abs(residual) <= tolerance * bound, axis=-1)
-
-
-def _after(value: jax.Array, *earlier: jax.Array) -> jax.Array:
-    """``value``, made to depend on ``earlier`` (NaN if their first entries are NaN).
-
-    XLA's CPU runtime runs independent LAPACK calls (QR, triangular solves) at the same
-    time, and a batched LAPACK call blocks its thread while it spreads its batch over the
-    same thread pool: two of them at once on a small pool deadlock (measured: a (256, 1000)
-    scale with a = 10 hung every time on two cores). A data dependency orders them; an
-    optimization barrier does not (its outputs alias its inputs)."""
-    marker = sum(jnp.ravel(array)[0] for array in earlier)
-    return jnp.where(jnp.isnan(marker), jnp.nan, value)
-
-
-def _row_sorted_qr(tall: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Reduced QR ``tall = Q R`` of an (..., n, a) matrix, n >= a, with Householder
-    reflections applied to the rows sorted by decreasing norm.
-
-    ``Q`` (..., n, a) is returned in the original row order; ``R`` (..., a, a) is upper
-    triangular and, as ``R^T R = tall^T tall``, does not depend on the order. Why sort: the
-    rows here are ``s_i A_{:, i}^T``, whose norms may differ by many orders of magnitude, and
-    Householder QR is row-wise backward stable only when the rows come in decreasing order
-    of norm (Powell and Reid 1969; Cox and Higham 1998). Unsorted, the rows of ``Q`` of the
-    small-variance coordinates carry errors of the size of the largest row, which in float32
-    with scales spanning 12 decades moves the conditional mean off ``A z = k`` by 100%.
-    """
-    order = jnp.argsort(-jnp.linalg.norm(tall, axis=-1), axis=-1)
-    q, r = jnp.linalg.qr(jnp.take_along_axis(tall, order[..., None], axis=-2))
-    inverse_order = jnp.argsort(order, axis=-1)
-    return jnp.take_along_axis(q, inverse_order[..., None], axis=-2), r
-
-
-def _min_norm_point_and_basis(A: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _min_norm_point_and_basis(A, k: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(z0, B)``: the point of ``{A z = k}`` nearest the origin, ``A^T (A A^T)^{-1} k``,
-    and an orthonormal basis of null(A), from the complete QR factorisation of ``A^T``."""
-    num_rows = A.shape[-2]
-    q, r = jnp.linalg.qr(jnp.swapaxes(A, -1, -2), mode="complete")
-    r = _after(r, q)  # the solve below runs after the QR's last LAPACK call
-    # A^T = Q1 R1, so z0 = A^T (A A^T)^{-1} k = Q1 R1^{-T} k.
-    r1_t = jnp.swapaxes(r[..., :num_rows, :], -1, -2)
-    batch = jnp.broadcast_shapes(r1_t.shape[:-2], k.shape[:-1])
-    coefficients = jax.scipy.linalg.solve_triangular(
-        jnp.broadcast_to(r1_t, batch + r1_t.shape[-2:]),
-        jnp.broadcast_to(k, batch + k.shape[-1:])[..., None],
-        lower=True,
-    )
-    offset = (q[..., :, :num_rows] @ coefficients)[..., 0]
-    return offset, q[..., :, num_rows:]
+    and an orthonormal basis of null(A) (``A`` a matrix or a :class:`LinearConstraint`,
+    whose cached factorisation is used)."""
+    constraint = _as_constraint(A, k)
+    return constraint._offset(k), constraint._null_basis
 
 
-class AffineSubspace(constraints.Constraint):
+class AffineSubspace(constraints._Interval):
     """The affine subspace ``{z in R^n : A z = k}`` with ``A`` of shape (..., a, n), rank a.
 
-    A value passes when its residual ``A z - k`` is within rounding error (relative
-    tolerance ``sqrt(eps)`` of the value's dtype, see :func:`_on_subspace`).
+    ``A`` is a :class:`LinearConstraint` (whose factorisation and ``rtol`` are used) or a
+    matrix. A value passes when its residual is within the constraint's tolerance,
+    ``|A z - k| <= rtol * (|A| |z| + |k|)`` per row (see :class:`LinearConstraint`).
+
+    Why it derives from NumPyro's interval constraint: this support moves whenever ``A`` or
+    ``k`` depends on another latent variable. NumPyro's MCMC maps its unconstrained draws
+    back to sample sites with the transforms of the initial trace, unless it sees a support
+    that may be dynamic, and it recognises one only as an interval (or lower-bounded)
+    constraint whose bounds are not Python numbers
+    (``numpyro.infer.util._transforms_from_trace``); it then replays the model for every
+    draw. Posing as an interval with array bounds (``-inf``, ``+inf``: the coordinates
+    themselves are unbounded) makes ``MCMC.get_samples()`` exact for such a site instead of
+    silently returning points of the initial subspace. Every other behaviour of the interval
+    class (``__call__``, ``feasible_like``, ``eq``, the pytree, ``biject_to``, whose registry
+    is keyed by the exact class) is overridden here.
     """
 
     is_discrete = False
     event_dim = 1
 
-    def __init__(self, A: jax.Array, k: jax.Array):
-        self.A = A
+    def __init__(self, A: LinearConstraint | jax.Array, k: jax.Array):
+        self.constraint = _as_constraint(A, k)
         self.k = k
-        super().__init__()
+
+    @property
+    def A(self) -> jax.Array:
+        return self.constraint.A
+
+    @property
+    def lower_bound(self) -> jax.Array:
+        return jnp.full(jnp.shape(self.k)[:-1], -jnp.inf)
+
+    @property
+    def upper_bound(self) -> jax.Array:
+        return jnp.full(jnp.shape(self.k)[:-1], jnp.inf)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return _on_subspace(x, self.A, self.k)
+        return self.constraint._check(x, self.k)
 
     def feasible_like(self, prototype: jax.Array) -> jax.Array:
-        offset, _ = _min_norm_point_and_basis(self.A, self.k)
+        offset = self.constraint._offset(self.k)
         return jnp.broadcast_to(offset, jnp.shape(prototype)).astype(jnp.result_type(prototype))
 
     def tree_flatten(self):
-        return (self.A, self.k), (("A", "k"), dict())
+        return (self.constraint, self.k), (("constraint", "k"), dict())
 
     def eq(self, other: object, static: bool = False):
         if not isinstance(other, AffineSubspace):
@@ -169,15 +138,26 @@ class AffineSubspaceTransform(Transform):
     :class:`LinearConstrainedNormal`, is 0. The inverse ``z -> B^T (z - z0)`` is the
     orthogonal projection, so it also maps a point near the subspace to the nearest one.
 
-    Cost: the basis has n (n - a) entries and its QR costs O(n^2 a) once per transform; this
-    is the one place an n-by-n-sized object is formed (the distribution's own calls stay
-    O(n a)), which is fine at the sizes where AutoGuides and NUTS are used.
+    The forward map ends with the Euclidean projection step of
+    :meth:`LinearConstraint.project` (``z <- z - A^T (A A^T)^{-1} (A z - k)``, which is the
+    identity in exact arithmetic), so its values satisfy the support tolerance in float32.
+
+    Cost: ``B`` and the factorisation are those of the :class:`LinearConstraint` (given, or
+    the distribution's): the O(n^2 a) QR for ``B`` runs once per constraint (as a constant
+    when ``A`` is concrete, also inside ``jit``), not once per transform, so an AutoGuide
+    that builds this transform at every step does not refactorise. Each call is
+    O(n (n - a)) per point.
     """
 
-    def __init__(self, A: jax.Array, k: jax.Array):
-        self.A = A
+    def __init__(self, A: LinearConstraint | jax.Array, k: jax.Array):
+        self.constraint = _as_constraint(A, k)
         self.k = k
-        self.offset, self.basis = _min_norm_point_and_basis(A, k)
+        self.offset = self.constraint._offset(k)
+        self.basis = self.constraint._null_basis
+
+    @property
+    def A(self) -> jax.Array:
+        return self.constraint.A
 
     @property
     def domain(self) -> constraints.Constraint:
@@ -185,10 +165,10 @@ class AffineSubspaceTransform(Transform):
 
     @property
     def codomain(self) -> constraints.Constraint:
-        return AffineSubspace(self.A, self.k)
+        return AffineSubspace(self.constraint, self.k)
 
     def __call__(self, u: jax.Array) -> jax.Array:
-        return self.offset + _rows_times(self.basis, u)
+        return self.constraint._correct(self.offset + _rows_times(self.basis, u), self.k)
 
     def _inverse(self, z: jax.Array) -> jax.Array:
         return _combine_rows(z - self.offset, self.basis)
@@ -204,7 +184,8 @@ class AffineSubspaceTransform(Transform):
         return jnp.broadcast_shapes(shape[:-1], self.offset.shape[:-1]) + self.basis.shape[-1:]
 
     def tree_flatten(self):
-        return (self.A, self.k, self.offset, self.basis), (("A", "k", "offset", "basis"), dict())
+        names = ("constraint", "k", "offset", "basis")
+        return (self.constraint, self.k, self.offset, self.basis), (names, dict())
 
     def eq(self, other: object, static: bool = False):
         if not isinstance(other, AffineSubspaceTransform):
@@ -214,7 +195,7 @@ class AffineSubspaceTransform(Transform):
 
 @biject_to.register(AffineSubspace)
 def _transform_to_affine_subspace(constraint: AffineSubspace) -> AffineSubspaceTransform:
-    return AffineSubspaceTransform(constraint.A, constraint.k)
+    return AffineSubspaceTransform(constraint.constraint, constraint.k)
 
 
 def _float_array(value, name: str, dtype) -> jax.Array:
@@ -238,12 +219,6 @@ def _float_dtype(values):
         if hasattr(value, "dtype") and jnp.issubdtype(value.dtype, jnp.floating)
     ]
     return jnp.result_type(*dtypes) if dtypes else jnp.result_type(float)
-
-
-def _check_finite(name: str, array: jax.Array) -> None:
-    # A traced value cannot be inspected; NumPyro's own distributions skip it likewise.
-    if is_concrete(array) and not np.all(np.isfinite(array)):
-        raise ValueError(f"{name} must be finite, but it contains NaN or +-inf")
 
 
 # The kernels below are jitted as a whole: besides fusing the O(n a) work, this compiles one
@@ -276,11 +251,17 @@ def _factor_basis_t(basis_t: jax.Array, factor: jax.Array, diagonal: bool) -> ja
 
 @partial(jax.jit, static_argnames=("diagonal",))
 def _precompute(
-    loc: jax.Array, factor: jax.Array, A: jax.Array, k: jax.Array, diagonal: bool
+    factor: jax.Array,
+    A: jax.Array,
+    log_det_a_half: jax.Array,
+    diagonal: bool,
 ) -> dict[str, jax.Array]:
-    """Everything that depends only on the parameters; O(n a^2 + a^3) when ``diagonal``.
+    """Everything that depends only on the covariance and ``A``; O(n a^2 + a^3) when
+    ``diagonal``. The conditional mean is computed on first use (:func:`_mean_kernel`):
+    ``log_prob`` does not need it.
 
-    ``factor`` is the standard deviations (diagonal) or the lower Cholesky factor L of Sigma.
+    ``factor`` is the standard deviations (diagonal) or the lower Cholesky factor L of Sigma;
+    ``log_det_a_half`` is ``1/2 log det(A A^T)`` from the :class:`LinearConstraint`.
     """
     if diagonal:
         whitened_t = factor[..., :, None] * jnp.swapaxes(A, -1, -2)  # (A L)^T, (..., n, a)
@@ -290,13 +271,8 @@ def _precompute(
         whitened_t = jnp.swapaxes(factor, -1, -2) @ jnp.swapaxes(A, -1, -2)
         log_det_sigma_half = jnp.sum(jnp.log(jnp.diagonal(factor, axis1=-2, axis2=-1)), -1)
         prior_variance = jnp.sum(jnp.square(factor), -1)
-    # A^T = Q' R': det(A A^T) = det(R')^2, and R' has the singular values of A (a x a,
-    # without an n x n factor).
-    r_of_a = jnp.linalg.qr(jnp.swapaxes(A, -1, -2), mode="r")
-    singular_values = jnp.linalg.svd(r_of_a, compute_uv=False)
-    # One LAPACK call at a time (see _after).
-    basis, r_factor = _row_sorted_qr(_after(whitened_t, singular_values))
-    r_factor = _after(r_factor, basis)
+    basis, r_factor = _row_sorted_qr(whitened_t)
+    r_factor = _after(r_factor, basis)  # one LAPACK call at a time (see _after)
     basis_t = jnp.swapaxes(basis, -1, -2)  # Q^T, (..., a, n): orthonormal rows
     # R^{-T} (..., a, a), so that K r = L Q (R^{-T} r) costs one pass over Q. An explicit
     # triangular inverse is as accurate here as a substitution, and a small matrix product
@@ -306,18 +282,10 @@ def _precompute(
         jax.scipy.linalg.solve_triangular(r_factor, identity, lower=False), -1, -2
     )
     num_rows, n = A.shape[-2:]
-    # mu_bar is the Sigma^{-1}-orthogonal projection of loc onto the subspace: one step from
-    # loc, then one of refinement.
-    refine = partial(
-        _refine, A=A, k=k, factor=factor, basis_t=basis_t, r_inv_t=r_inv_t, diagonal=diagonal
-    )
-    mean = refine(refine(loc))
     return {
-        "singular_values": singular_values,
         "_basis_t": basis_t,
         "_r_inv_t": r_inv_t,
         "_prior_variance": prior_variance,
-        "_mean": mean,
         # log p(z) = -1/2 (z - mu_bar)^T Sigma^{-1} (z - mu_bar) + _log_normalizer on the
         # subspace: for A z = k the cross term with mu_bar - loc = K (k - A loc) vanishes,
         # so the squared distance splits into this one plus the one of log N(k; A loc, S).
@@ -325,25 +293,57 @@ def _precompute(
         "_log_normalizer": (
             -log_det_sigma_half
             + jnp.sum(jnp.log(jnp.abs(jnp.diagonal(r_factor, axis1=-2, axis2=-1))), -1)
-            - jnp.sum(jnp.log(jnp.abs(jnp.diagonal(r_of_a, axis1=-2, axis2=-1))), -1)
+            - log_det_a_half
             - 0.5 * (n - num_rows) * math.log(2 * math.pi)
         ),
     }
 
 
 @partial(jax.jit, static_argnames=("diagonal",))
+def _mean_kernel(
+    loc: jax.Array,
+    factor: jax.Array,
+    A: jax.Array,
+    k: jax.Array,
+    basis_t: jax.Array,
+    r_inv_t: jax.Array,
+    diagonal: bool,
+) -> jax.Array:
+    """``mu_bar``, the Sigma^{-1}-orthogonal projection of loc onto the subspace: one step
+    from loc, then one of refinement."""
+    refine = partial(
+        _refine, A=A, k=k, factor=factor, basis_t=basis_t, r_inv_t=r_inv_t, diagonal=diagonal
+    )
+    return refine(refine(loc))
+
+
+@partial(jax.jit, static_argnames=("diagonal", "projected"))
 def _log_prob_kernel(
     value: jax.Array,
-    mean: jax.Array,
+    center: jax.Array,
     factor: jax.Array,
+    basis_t: jax.Array,
     log_normalizer: jax.Array,
     A: jax.Array,
     k: jax.Array,
+    rtol: jax.Array,
     diagonal: bool,
+    projected: bool,
 ) -> tuple[jax.Array, jax.Array]:
-    """(log density, or -inf off the subspace; whether each value is on the subspace)."""
-    diff = value - mean
-    if diagonal:
+    """(log density, or -inf off the subspace; whether each value is on the subspace).
+
+    ``center`` is ``loc`` when ``projected`` (diagonal scale, value of the parameters'
+    dtype), else the conditional mean ``mu_bar``.
+    """
+    diff = value - center
+    if projected:
+        # On the subspace, L^{-1} (z - mu_bar) = (I - Q Q^T) L^{-1} (z - loc): an orthogonal
+        # projection in whitened coordinates, which needs neither mu_bar (two refinement
+        # passes) nor k, and is as accurate as the difference from mu_bar.
+        whitened = diff / factor
+        whitened = whitened - _combine_rows(_rows_times(basis_t, whitened), basis_t)
+        mahalanobis = jnp.sum(jnp.square(whitened), -1)
+    elif diagonal:
         mahalanobis = jnp.sum(jnp.square(diff / factor), -1)
     else:
         batch = jnp.broadcast_shapes(diff.shape[:-1], factor.shape[:-2])
@@ -353,7 +353,7 @@ def _log_prob_kernel(
             lower=True,
         )
         mahalanobis = jnp.sum(jnp.square(solved[..., 0]), -1)
-    on_subspace = _on_subspace(value, A, k)
+    on_subspace = _within_tolerance(value, k, A, rtol)
     log_prob = -0.5 * mahalanobis + log_normalizer
     return jnp.where(on_subspace, log_prob, -jnp.inf), on_subspace
 
@@ -392,13 +392,6 @@ def _check_arguments(arguments: dict[str, jax.Array]) -> dict[str, jax.Array]:
     }
 
 
-@jax.jit
-def _row_singular_values(A: jax.Array) -> jax.Array:
-    """The singular values of each (..., a, n) ``A``, from the a x a factor ``R'`` of
-    ``A^T = Q' R'`` (as in :func:`_precompute`)."""
-    return jnp.linalg.svd(jnp.linalg.qr(jnp.swapaxes(A, -1, -2), mode="r"), compute_uv=False)
-
-
 def _concrete(value):
     """``value`` where it is concrete, else None: a check on values runs only on concrete
     arrays (NumPyro's rule; a tracer cannot be inspected)."""
@@ -414,8 +407,10 @@ _LEAF_EVENT_NDIMS = {
     "_basis_t": 2,
     "_r_inv_t": 2,
     "_prior_variance": 1,
-    "_mean": 1,
     "_log_normalizer": 0,
+    "_constraint_basis_t": 2,
+    "_constraint_r_inv_t": 2,
+    "_constraint_log_det_half": 0,
 }
 
 
@@ -449,9 +444,13 @@ class LinearConstrainedNormal(Distribution):
     ``scipy.stats.multivariate_normal(mu_bar, Sigma_bar, allow_singular=True).logpdf(z)``, and
     for ``loc = 0``, ``Sigma = s^2 I`` and the default zero-sum constraint it equals
     ``numpyro.distributions.ZeroSumNormal(s, event_shape=(n,))``. It does not depend on a
-    choice of coordinates. A value off the subspace gets ``-inf``; with validation on it also
-    emits NumPyro's own "Out-of-support values" ``UserWarning``, as NumPyro's distributions
-    do (when the value and the parameters are concrete; a tracer cannot be inspected). A
+    choice of coordinates. "On the subspace" means within the support tolerance,
+    ``|A z - k| <= rtol * (|A| |z| + |k|)`` per row (``rtol`` default 64 eps; see
+    :class:`LinearConstraint`). A value off the subspace gets ``-inf``; with validation on it
+    also emits NumPyro's own "Out-of-support values" ``UserWarning``, as NumPyro's
+    distributions do (when the value and the parameters are concrete; a tracer cannot be
+    inspected), followed by the largest residual, its bound, the ``rtol`` in force and how
+    to loosen it. A
     value whose shape does not end in ``(n,)`` or whose leading dimensions do not broadcast
     with the batch shape is a ``ValueError`` naming the expected shape. A value of another
     float dtype than the parameters is promoted (``jnp.result_type``), and so is the result.
@@ -477,8 +476,10 @@ class LinearConstrainedNormal(Distribution):
     the quantities precomputed from them, all set by ``__init__``: the tree structure is the
     same before and after any method call, so a distribution can be a ``jit`` argument or a
     ``lax.scan`` carry. ``scale`` and ``scale_tril`` are computed from the stored factor on
-    each access. ``arg_constraints`` describe the constructor's arguments; the property
-    :attr:`covariance_matrix` is the conditional covariance (rank n - a), not the argument.
+    each access; the conditional mean on first use (kept when concrete, not a leaf), since
+    ``log_prob`` does not need it. ``arg_constraints`` describe the constructor's
+    arguments; the property :attr:`covariance_matrix` is the conditional covariance (rank
+    n - a), not the argument.
 
     **Cost.** With a diagonal covariance (``scale``) construction is O(n a^2 + a^3) and every
     call O(n a); no n x n matrix is formed except by :attr:`covariance_matrix`. With a full
@@ -490,10 +491,41 @@ class LinearConstrainedNormal(Distribution):
     :param scale_tril: lower Cholesky factor of the unconditional covariance, (..., n, n).
         Exactly one of ``scale`` / ``covariance_matrix`` / ``scale_tril`` is given.
     :param A: constraint matrix of shape (..., a, n) with rank a < n; default one row of ones.
+        Validated and factorised once per distribution; to do that once for many
+        distributions (a regression head, a model step), pass ``constraint`` instead.
     :param k: right-hand side of shape (..., a), real; a scalar or a last dimension of 1 is
         broadcast to all a rows; its leading dimensions broadcast with the other parameters'
         batch shapes. Default zeros (with the default ``A``: the zero-sum constraint).
+    :param constraint: a :class:`LinearConstraint` (``A`` validated and factorised once),
+        instead of ``A``; giving both is a ``ValueError``. Construction then costs
+        O(n a^2) for the whitened factorisation of the scale (once per distinct scale) plus
+        O(B n a) for a batch of B right-hand sides, and no work on ``A`` alone.
+    :param rtol: the relative tolerance of the support check,
+        ``|A z - k| <= rtol * (|A| |z| + |k|)`` per row; default the constraint's, itself
+        by default 64 eps of the dtype (see :class:`LinearConstraint`). Set it to the
+        precision of measured data that satisfies its balances only to that precision.
     :param grad_estimator: ``"marginal_expectation"`` or ``"pathwise"``.
+
+    Examples
+    --------
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import numpy as np
+    >>> from numpyro_constrained import LinearConstrainedNormal
+    >>> d = LinearConstrainedNormal(jnp.zeros(3), jnp.ones(3), k=1.0)  # z1 + z2 + z3 = 1
+    >>> d
+    LinearConstrainedNormal(loc: (3,), scale: (3,), A: (1, 3), k: 1.0)
+    >>> np.round(d.mean, 4).tolist()
+    [0.3333, 0.3333, 0.3333]
+    >>> z = d.sample(jax.random.PRNGKey(0), (2,))  # exact draws on the plane
+    >>> z.shape, bool(jnp.allclose(z.sum(-1), 1.0, atol=1e-5))
+    ((2, 3), True)
+    >>> A = jnp.array([[1.0, 1.0, 0.0], [0.0, 1.0, -1.0]])  # two equalities
+    >>> d2 = LinearConstrainedNormal(jnp.zeros(3), jnp.ones(3), A=A, k=jnp.array([1.0, 0.0]))
+    >>> bool(jnp.allclose(A @ d2.mean, jnp.array([1.0, 0.0]), atol=1e-5))
+    True
+    >>> int(jnp.linalg.matrix_rank(d2.covariance_matrix))  # n - a = 1
+    1
     """
 
     arg_constraints = {
@@ -519,13 +551,18 @@ class LinearConstrainedNormal(Distribution):
         "_basis_t",
         "_r_inv_t",
         "_prior_variance",
-        "_mean",
         "_log_normalizer",
+        # The factorisation of A (its LinearConstraint's leaves), so that a distribution
+        # rebuilt from its leaves (jit, vmap, scan) can hand its constraint on (support,
+        # project) without refactorising A.
+        "_constraint_basis_t",
+        "_constraint_r_inv_t",
+        "_constraint_log_det_half",
     )
     # ``_leaf_batch_ndims``: the number of batch dimensions of each data field as built
     # (static, from shapes only), so that promote_batch_shape can tell the axes that scan or
     # vmap stacked in front of a leaf from the leaf's own batch dimensions.
-    pytree_aux_fields = ("grad_estimator", "_diagonal", "_leaf_batch_ndims")
+    pytree_aux_fields = ("grad_estimator", "_diagonal", "_leaf_batch_ndims", "_rtol")
 
     def __init__(
         self,
@@ -536,6 +573,8 @@ class LinearConstrainedNormal(Distribution):
         scale_tril: jax.Array | None = None,
         A: jax.Array | None = None,
         k: jax.Array | float | None = None,
+        constraint: LinearConstraint | None = None,
+        rtol: float | None = None,
         grad_estimator: str = "marginal_expectation",
         validate_args: bool | None = None,
     ):
@@ -549,31 +588,90 @@ class LinearConstrainedNormal(Distribution):
         # As NumPyro's validate_args: under compile-time evaluation, arrays closed over inside
         # jit stay concrete through the conversions below and their values get checked;
         # tracers are converted (and staged) as usual and only their shapes are checked.
+        if constraint is not None:
+            if A is not None:
+                raise ValueError(
+                    "give the constraint either as A or as constraint (a LinearConstraint), "
+                    "not both"
+                )
+            if not isinstance(constraint, LinearConstraint):
+                raise ValueError(
+                    f"constraint must be a LinearConstraint, got {type(constraint).__name__}"
+                )
+        rtol = _check_rtol(rtol)
         with jax.ensure_compile_time_eval():
             loc, factor, A, k, batch_shape = self._arguments(
-                loc, scale, covariance_matrix, scale_tril, A, k, validate
+                loc, scale, covariance_matrix, scale_tril, A, k, validate, constraint
             )
         n = loc.shape[-1]
         self.loc = jnp.broadcast_to(loc, batch_shape + (n,))
         self._factor = factor
         self._diagonal = scale is not None
-        self.A = A
+        if constraint is None:
+            # Validated (rank included, where A is concrete) and factorised here, once per
+            # distribution; a LinearConstraint given instead was validated and factorised
+            # once for all.
+            constraint = LinearConstraint._build(A, rtol, validate)
+        else:
+            if constraint.A.dtype != A.dtype:
+                if jnp.finfo(A.dtype).eps < jnp.finfo(constraint.A.dtype).eps:
+                    # Factors rounded to a coarser dtype would cap the accuracy of the
+                    # result at that dtype's: refactorise in the finer one.
+                    constraint = LinearConstraint._build(A, constraint._rtol, False)
+                else:
+                    constraint = constraint._replace(dtype=A.dtype)
+            if rtol is not None:
+                constraint = constraint._replace(rtol=rtol)
+        self._constraint_object = constraint
+        self.A = constraint.A
+        self._constraint_basis_t = constraint._basis_t
+        self._constraint_r_inv_t = constraint._r_inv_t
+        self._constraint_log_det_half = constraint._log_det_half
+        self._rtol = constraint._rtol
         self.k = k
         self.grad_estimator = grad_estimator
         super().__init__(batch_shape, (n,), validate_args=validate_args)
-        cached = _precompute(self.loc, factor, A, k, diagonal=self._diagonal)
-        singular_values = cached.pop("singular_values")
+        cached = _precompute(factor, self.A, constraint._log_det_half, diagonal=self._diagonal)
         for name, value in cached.items():
             setattr(self, name, value)
         self._leaf_batch_ndims = self._batch_ndims_of_leaves()
-        if validate:
-            self._check_rank(singular_values)
+
+    @property
+    def constraint(self) -> LinearConstraint:
+        """The :class:`LinearConstraint` (validated and factorised ``A`` and ``rtol``);
+        rebuilt from the pytree leaves, without refactorising, after jit / vmap / scan."""
+        constraint = self.__dict__.get("_constraint_object")
+        if constraint is None or constraint.A is not self.A:
+            constraint = LinearConstraint._from_parts(
+                self.A,
+                self._constraint_basis_t,
+                self._constraint_r_inv_t,
+                self._constraint_log_det_half,
+                self._rtol,
+            )
+            self.__dict__["_constraint_object"] = constraint
+        return constraint
+
+    @property
+    def rtol(self) -> float:
+        """The relative tolerance of the support check (see :class:`LinearConstraint`)."""
+        return self.constraint.rtol
 
     @staticmethod
-    def _arguments(loc, scale, covariance_matrix, scale_tril, A, k, validate: bool):
+    def _arguments(
+        loc,
+        scale,
+        covariance_matrix,
+        scale_tril,
+        A,
+        k,
+        validate: bool,
+        constraint: LinearConstraint | None = None,
+    ):
         """``(loc, factor, A, k, batch_shape)`` from the constructor's arguments, converted
         to one float dtype and checked (shapes always, values where concrete)."""
-        dtype = _float_dtype((loc, scale, covariance_matrix, scale_tril, A, k))
+        matrix_a = constraint.A if constraint is not None else A
+        dtype = _float_dtype((loc, scale, covariance_matrix, scale_tril, matrix_a, k))
         loc = _float_array(loc, "loc", dtype)
         if loc.ndim < 1:
             raise ValueError(f"loc must have at least one dimension (the event), got {loc.shape}")
@@ -609,7 +707,13 @@ class LinearConstrainedNormal(Distribution):
                 factor = matrix
             factor_batch_shape = factor.shape[:-2]
 
-        if A is None:
+        if constraint is not None:
+            A = constraint.A if constraint.A.dtype == dtype else constraint.A.astype(dtype)
+            if A.shape[-1] != n:
+                raise ValueError(
+                    f"the constraint has n = {A.shape[-1]} columns, but loc has size {n}"
+                )
+        elif A is None:
             A = jnp.ones((1, n), dtype=dtype)
         else:
             A = _float_array(A, "A", dtype)
@@ -657,20 +761,6 @@ class LinearConstrainedNormal(Distribution):
                 f"the batch shapes of the parameters do not broadcast: {shapes}"
             ) from None
         return loc, factor, A, k, tuple(batch_shape)
-
-    def _check_rank(self, singular_values: jax.Array) -> None:
-        """``ValueError`` unless ``A`` has full row rank (when ``A`` is concrete)."""
-        A = self.A
-        with jax.ensure_compile_time_eval():
-            if not not_jax_tracer(singular_values):
-                if not not_jax_tracer(A):
-                    return
-                # Traced only because this runs inside jit or vmap: A itself is a constant.
-                singular_values = _row_singular_values(A)
-            singular_values = np.asarray(singular_values)
-        tolerance = singular_values[..., :1] * max(A.shape[-2:]) * np.finfo(A.dtype).eps
-        if not np.all(singular_values[..., -1:] > tolerance):
-            raise ValueError(f"A must have full row rank {A.shape[-2]}; it is rank-deficient")
 
     def _event_ndims(self, name: str) -> int:
         if name == "_factor":
@@ -746,7 +836,8 @@ class LinearConstrainedNormal(Distribution):
         new = copy.copy(self)
         event = self.event_shape
         new.loc = jnp.broadcast_to(self.loc, batch_shape + event)
-        new._mean = jnp.broadcast_to(self._mean, batch_shape + event)
+        if "_mean_cache" in self.__dict__:
+            new._mean_cache = jnp.broadcast_to(self._mean_cache, batch_shape + event)
         new._log_normalizer = jnp.broadcast_to(self._log_normalizer, batch_shape)
         new._batch_shape = batch_shape
         new._leaf_batch_ndims = new._batch_ndims_of_leaves()
@@ -754,7 +845,30 @@ class LinearConstrainedNormal(Distribution):
 
     @constraints.dependent_property(is_discrete=False, event_dim=1)
     def support(self) -> AffineSubspace:
-        return AffineSubspace(self.A, self.k)
+        return AffineSubspace(self.constraint, self.k)
+
+    @property
+    def _mean(self) -> jax.Array:
+        """``mu_bar``, computed on first use (the NLL, ``log_prob``, does not need it) and
+        kept when concrete. Not a pytree leaf: a cache whose presence changed the tree
+        structure would break ``lax.scan`` carries and ``jit`` arguments; a traced value is
+        not kept, so none leaks out of a trace."""
+        cached = self.__dict__.get("_mean_cache")
+        if cached is not None:
+            return cached
+        with jax.ensure_compile_time_eval():
+            mean = _mean_kernel(
+                self.loc,
+                self._factor,
+                self.A,
+                self.k,
+                self._basis_t,
+                self._r_inv_t,
+                diagonal=self._diagonal,
+            )
+        if not_jax_tracer(mean):
+            self.__dict__["_mean_cache"] = mean
+        return mean
 
     @property
     def mean(self) -> jax.Array:
@@ -802,19 +916,36 @@ class LinearConstrainedNormal(Distribution):
         off it (with NumPyro's "Out-of-support values" warning when validating)."""
         value = as_concrete_where_possible(value)
         check_value_shape(jnp.shape(value), self.batch_shape, self.event_shape, type(self).__name__)
+        constraint = self.constraint
+        value_dtype = jnp.result_type(value)
+        if not jnp.issubdtype(value_dtype, jnp.floating):
+            value_dtype = self.A.dtype
+        projected = self._diagonal and value_dtype == self.loc.dtype
         log_prob, _ = _log_prob_kernel(
             value,
-            self._mean,
+            self.loc if projected else self._mean,
             self._factor,
+            self._basis_t,
             self._log_normalizer,
             self.A,
             self.k,
+            constraint._rtol_for(value_dtype),
             diagonal=self._diagonal,
+            projected=projected,
         )
         # NumPyro's own rule (Distribution._validate_sample): warn for concrete values, and
-        # score them -inf, which the kernel already does with or without validation.
+        # score them -inf, which the kernel already does with or without validation. The
+        # warning says by how much the value misses and how to loosen the tolerance.
         if self._validate_args:
-            warn_if_out_of_support(lambda: _on_subspace(value, self.A, self.k))
+            with jax.ensure_compile_time_eval():
+                in_support = constraint._check(value, self.k)
+            if not_jax_tracer(in_support) and not np.all(np.asarray(in_support)):
+                warnings.warn(
+                    f"{OUT_OF_SUPPORT_MESSAGE} {type(self).__name__}: "
+                    + constraint._out_of_support_message(value, self.k),
+                    UserWarning,
+                    stacklevel=_stack_level_outside(),
+                )
         return log_prob
 
     def _matheron_sample(self, key: jax.Array, sample_shape: tuple[int, ...]) -> jax.Array:
@@ -833,6 +964,13 @@ class LinearConstrainedNormal(Distribution):
             self._basis_t,
             self._r_inv_t,
             diagonal=self._diagonal,
+        )
+
+    def __repr__(self) -> str:
+        # The covariance argument as stored: scale (diagonal) or its Cholesky factor.
+        covariance = {"scale" if self._diagonal else "scale_tril": self._factor}
+        return parameters_repr(
+            type(self).__name__, {"loc": self.loc, **covariance, "A": self.A, "k": self.k}
         )
 
     def sample(self, key: jax.Array, sample_shape: tuple[int, ...] = ()) -> jax.Array:
@@ -880,8 +1018,10 @@ def _vmap_over_linear_constrained_normal(
         _basis_t=derived(factor, A),
         _r_inv_t=derived(factor, A),
         _prior_variance=derived(factor),
-        _mean=derived(loc, factor, A, k),
         _log_normalizer=derived(factor, A),
+        _constraint_basis_t=derived(A),
+        _constraint_r_inv_t=derived(A),
+        _constraint_log_det_half=derived(A),
     )
 
 
@@ -927,6 +1067,10 @@ def _promote_batch_shape_linear_constrained_normal(dist: LinearConstrainedNormal
         )
         if aligned != shape:
             setattr(new, name, jnp.reshape(leaf, aligned))
+    # The LinearConstraint object kept for the unstacked leaves no longer matches them; the
+    # constraint property rebuilds it from the new leaves.
+    new.__dict__.pop("_constraint_object", None)
+    new.__dict__.pop("_mean_cache", None)  # of the old batch shape; recomputed on use
     new._batch_shape = batch_shape
     new._leaf_batch_ndims = new._batch_ndims_of_leaves()
     return new

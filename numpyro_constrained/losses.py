@@ -3,7 +3,8 @@
 ``expected_l1_loss(dist, target) = E_{z ~ dist} ||z - target||_1`` and
 ``expected_l2_loss(dist, target) = E_{z ~ dist} ||z - target||_2^2``, summed over the
 event dimension: one value per batch element, differentiable in the distribution's
-parameters (MATH.md section 5). The target should satisfy the distribution's constraint.
+parameters (the closed forms on each page of ``docs/distributions/``). The target should satisfy the
+distribution's constraint.
 
 The generic functions dispatch on the type of the distribution, as ``kl_divergence``
 finds a KL rule; each distribution's closed forms are registered in a section of its own
@@ -24,17 +25,47 @@ from numpyro_constrained.linear_constrained_normal import LinearConstrainedNorma
 
 @singledispatch
 def expected_l1_loss(dist, target: jax.Array) -> jax.Array:
-    """Expected L1 distance E ||z - target||_1 of a sample z ~ dist from target."""
+    """Expected L1 distance E ||z - target||_1 of a sample z ~ dist from target.
+
+    Examples
+    --------
+    Against the average over the enumerated support:
+
+    >>> import jax.numpy as jnp
+    >>> from numpyro_constrained import ExactlyKBernoulli
+    >>> from numpyro_constrained.losses import expected_l1_loss
+    >>> d = ExactlyKBernoulli(jnp.array([1.0, 0.0, -1.0]), k=1)
+    >>> y = jnp.array([1.0, 0.0, 0.0])
+    >>> support = d.enumerate_support()
+    >>> brute_force = (jnp.exp(d.log_prob(support)) * jnp.abs(support - y).sum(-1)).sum()
+    >>> bool(jnp.isclose(expected_l1_loss(d, y), brute_force))
+    True
+    """
     raise NotImplementedError(f"no closed-form expected L1 loss for {type(dist).__name__}")
 
 
 @singledispatch
 def expected_l2_loss(dist, target: jax.Array) -> jax.Array:
-    """Expected squared L2 distance E ||z - target||_2^2 of z ~ dist from target."""
+    """Expected squared L2 distance E ||z - target||_2^2 of z ~ dist from target.
+
+    Examples
+    --------
+    Against the average over the enumerated support:
+
+    >>> import jax.numpy as jnp
+    >>> from numpyro_constrained import ConditionedPoisson
+    >>> from numpyro_constrained.losses import expected_l2_loss
+    >>> d = ConditionedPoisson(jnp.array([1.0, 2.0, 5.0]), k=4)
+    >>> y = jnp.array([1.0, 1.0, 2.0])
+    >>> support = d.enumerate_support()
+    >>> brute_force = (jnp.exp(d.log_prob(support)) * ((support - y) ** 2).sum(-1)).sum()
+    >>> bool(jnp.isclose(expected_l2_loss(d, y), brute_force))
+    True
+    """
     raise NotImplementedError(f"no closed-form expected L2 loss for {type(dist).__name__}")
 
 
-# ExactlyKBernoulli, with mu the conditional marginals (MATH.md section 5):
+# ExactlyKBernoulli, with mu the conditional marginals (docs/distributions/exactly_k_bernoulli.md):
 # E||z - y||^2 = sum_i mu_i (1 - 2 y_i) + y_i^2,
 # E||z - y||_1 = sum_i mu_i |1 - y_i| + (1 - mu_i) |y_i|.
 
@@ -52,11 +83,11 @@ def _expected_l2_loss_exactly_k(dist: ExactlyKBernoulli, target: jax.Array) -> j
 
 
 # ---------------------------------------------------------------------------------------
-# LinearConstrainedNormal (MATH.md section 5, Gaussian). With m_i = mu_bar_i - y_i and
-# s_i^2 = Sigma_bar_ii every coordinate is N(m_i, s_i^2) around the target, so
-# E|z_i - y_i| = s_i sqrt(2/pi) exp(-m_i^2 / (2 s_i^2)) + m_i erf(m_i / (sqrt(2) s_i)), the
-# folded-normal mean (the published formula has the variance where s_i belongs; see the
-# errata), and E(z_i - y_i)^2 = m_i^2 + s_i^2.
+# LinearConstrainedNormal (docs/distributions/linear_constrained_normal.md, expected losses). With
+# m_i = mu_bar_i - y_i and s_i^2 = Sigma_bar_ii every coordinate is N(m_i, s_i^2) around the target,
+# so E|z_i - y_i| = s_i sqrt(2/pi) exp(-m_i^2 / (2 s_i^2)) + m_i erf(m_i / (sqrt(2) s_i)), the
+# folded-normal mean (the published formula has the variance where s_i belongs; see the errata), and
+# E(z_i - y_i)^2 = m_i^2 + s_i^2.
 
 
 @expected_l2_loss.register(LinearConstrainedNormal)
@@ -84,8 +115,8 @@ def _expected_l1_loss_linear_constrained_normal(
 
 
 # ConditionedPoisson ------------------------------------------------------------------------
-# z_i ~ Binomial(k, p_i) marginally (MATH.md section 5, with the corrected L1 formula, not
-# the published one).
+# z_i ~ Binomial(k, p_i) marginally (docs/distributions/conditioned_poisson.md, with the corrected
+# L1 formula, not the published one).
 
 
 @partial(jax.jit, static_argnames=("k_max",))
@@ -126,10 +157,11 @@ def _binomial_pmf_and_cdf_at(rate, k, target, k_max: int):
 def _(dist: ConditionedPoisson, target) -> jax.Array:
     """``sum_i 2 (k - y_i) p_i Bin(y_i; k, p_i) + (k p_i - y_i)(1 - 2 F(y_i))``, ``F`` the
     Binomial(k, p_i) CDF, for integer targets ``y``."""
-    if dist.k_max is None:
+    k_bound = dist._table_bound()
+    if k_bound is None:
         raise ValueError("the expected L1 loss of ConditionedPoisson needs k_max when k is traced")
     target = jnp.asarray(target, dtype=dist.rate.dtype)
-    loss = _poisson_expected_l1(dist.rate, dist.k, target, k_max=dist.k_max)
+    loss = _poisson_expected_l1(dist.rate, dist.k, target, k_max=k_bound)
     # NaN, not a finite number, where a traced k is negative or fractional.
     return dist._mask_out_of_range_k(loss, jnp.nan, event=False)
 

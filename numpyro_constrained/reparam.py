@@ -58,6 +58,27 @@ class LinearConstrainedNormalReparam(Reparam):
     Observed sites are left untouched. The new latent site is ``f"{name}_decentered"``
     (batch shape of the original site, event dim 1 plus any ``to_event`` dims), and ``z``
     becomes a deterministic site.
+
+    Examples
+    --------
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import numpyro
+    >>> import numpyro.distributions as dist
+    >>> from numpyro import handlers
+    >>> from numpyro_constrained import LinearConstrainedNormal, LinearConstrainedNormalReparam
+    >>> def model():
+    ...     total = numpyro.sample("total", dist.Normal(3.0, 0.1))  # k depends on a latent
+    ...     return numpyro.sample("z", LinearConstrainedNormal(jnp.zeros(3), jnp.ones(3), k=total))
+    >>> reparam_model = handlers.reparam(model, config={"z": LinearConstrainedNormalReparam()})
+    >>> trace = handlers.trace(handlers.seed(reparam_model, rng_seed=0)).get_trace()
+    >>> [name for name, site in trace.items() if site["type"] == "sample"]
+    ['total', 'z_decentered']
+    >>> trace["z_decentered"]["value"].shape  # n - a = 2 standard-Normal coordinates
+    (2,)
+    >>> z, total = trace["z"]["value"], trace["total"]["value"]
+    >>> bool(jnp.isclose(z.sum(), total, atol=1e-5))
+    True
     """
 
     def __call__(self, name, fn, obs):

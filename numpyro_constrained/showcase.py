@@ -1,7 +1,7 @@
 """The showcase run by ``python -m numpyro_constrained``: one small model per distribution.
 
 The NumPyro mirror of ``pyro_constrained.showcase``: the same NumPy data generators (shared
-from ``constrained_ppl_showcase``, which imports neither torch nor JAX), the same models
+from ``constrained_ppl.showcase``, which imports neither torch nor JAX), the same models
 written for NumPyro, fitted with NumPyro's SVI. Each experiment draws samples from the fitted
 distribution and measures
 
@@ -28,7 +28,7 @@ import numpy as np
 
 # The framework-free half (data, results table, command line) is shared with the Pyro
 # showcase, so that both fit the very same data.
-from constrained_ppl_showcase import (
+from constrained_ppl.showcase import (
     ELECTRONEGATIVITY,
     ShowcaseResult,
     make_bags,
@@ -36,7 +36,7 @@ from constrained_ppl_showcase import (
     make_sparse_regression,
     run_experiments,
 )
-from constrained_ppl_showcase import main as _shared_main
+from constrained_ppl.showcase import main as _shared_main
 
 # ---------------------------------------------------------------------------------------
 # Experiments (NumPyro)

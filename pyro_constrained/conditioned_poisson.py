@@ -1,10 +1,10 @@
 """Independent Poissons conditioned on their sum: ``ConditionedPoisson(rate, k=k)``.
 
 ``z_i ~ Poisson(rate_i)`` independently, conditioned on ``sum_i z_i = k``, is
-``Multinomial(k, p)`` with ``p = rate / sum(rate)`` (MATH.md section 3). Unlike
-``torch.distributions.Multinomial``, ``k`` may vary over the batch (bags with different
-known totals), the support check demands ``sum z == k`` exactly, ``rsample`` carries the
-straight-through marginal-expectation gradient, and the entropy is exact and fast.
+``Multinomial(k, p)`` with ``p = rate / sum(rate)`` (docs/distributions/conditioned_poisson.md).
+Unlike ``torch.distributions.Multinomial``, ``k`` may vary over the batch (bags with different known
+totals), the support check demands ``sum z == k`` exactly, ``rsample`` carries the straight-through
+marginal-expectation gradient, and the entropy is exact and fast.
 """
 
 from __future__ import annotations
@@ -16,13 +16,15 @@ from pyro.distributions import Binomial, TorchDistribution
 from torch.distributions import constraints
 from torch.distributions.kl import register_kl
 
-from constrained_ppl_common.arguments import check_count, check_static_bound, check_value_shape
-from constrained_ppl_common.binomial_tails import bennett_deviation, entropy_log_inverse_tail
-from constrained_ppl_common.exact_integers import (
+from constrained_ppl.arguments import check_count, check_static_bound, check_value_shape
+from constrained_ppl.binomial_tails import bennett_deviation, entropy_log_inverse_tail
+from constrained_ppl.enumeration import check_support_size, compositions, single_count
+from constrained_ppl.exact_integers import (
     check_k_max_bounds_k,
     check_total_in_exact_range,
     largest_exact_integer,
 )
+from pyro_constrained._repr import parameters_repr
 
 __all__ = ["ConditionedPoisson", "integer_composition", "positive_finite"]
 
@@ -394,10 +396,10 @@ class ConditionedPoisson(TorchDistribution):
     shape is the broadcast of the two, the event shape ``rate.shape[-1:]``.
 
     ``rsample`` returns an exact sample whose gradient is the straight-through
-    marginal-expectation estimator through ``E[z] = k p`` (MATH.md section 4): the value is
-    exactly integer and sums exactly to ``k``. ``marginals`` are ``Binomial(k, p_i)``.
-    ``sample``, ``rsample`` and ``log_prob`` use no in-place op, so that they run under
-    ``torch.jit.trace`` (``JitTrace_ELBO`` and its kin).
+    marginal-expectation estimator through ``E[z] = k p``
+    (docs/distributions/gradient_estimators.md): the value is exactly integer and sums exactly to
+    ``k``. ``marginals`` are ``Binomial(k, p_i)``. ``sample``, ``rsample`` and ``log_prob`` use no
+    in-place op, so that they run under ``torch.jit.trace`` (``JitTrace_ELBO`` and its kin).
 
     Numerics: ``p`` is normalised in log space in float64 (rates from 1e-300 to 1e300
     side by side are fine), and ``log_prob``, ``entropy``, ``mean``, ``variance``, KL and
@@ -408,7 +410,7 @@ class ConditionedPoisson(TorchDistribution):
 
     ``k``: an int, an integer tensor, or whole-number floats (``3.0``, as
     ``Binomial.total_count``); ``3.5``, a bool, a complex number or NaN is a ``ValueError``
-    whatever ``validate_args`` says (`constrained_ppl_common.arguments.check_count`), as in
+    whatever ``validate_args`` says (`constrained_ppl.arguments.check_count`), as in
     ``numpyro_constrained``. A negative ``k`` is a ``ValueError`` with validation on; with
     it off it gives ``-inf`` log-probabilities and NaN ``mean``, ``variance``, ``entropy``
     and samples, never a finite number.
@@ -423,6 +425,24 @@ class ConditionedPoisson(TorchDistribution):
         ``numpyro_constrained``, where it sizes jitted tables when ``k`` is traced; here
         ``k`` is always concrete, so it is only checked: a ``k`` above it is a
         ``ValueError``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from pyro_constrained import ConditionedPoisson
+    >>> rate = torch.tensor([1.0, 2.0, 5.0])
+    >>> d = ConditionedPoisson(rate, k=8)
+    >>> d
+    ConditionedPoisson(rate: torch.Size([3]), k: 8)
+    >>> d.mean  # k p, with p = rate / sum(rate)
+    tensor([1., 2., 5.])
+    >>> z = d.sample((4,))  # exact integer draws summing to 8
+    >>> z.shape, bool((z.sum(-1) == 8).all()), bool((z == z.round()).all())
+    (torch.Size([4, 3]), True, True)
+    >>> value = torch.tensor([1.0, 2.0, 5.0])
+    >>> multinomial = torch.distributions.Multinomial(8, probs=rate / rate.sum())
+    >>> bool(torch.isclose(d.log_prob(value), multinomial.log_prob(value)))
+    True
     """
 
     arg_constraints = {
@@ -430,6 +450,9 @@ class ConditionedPoisson(TorchDistribution):
         "k": constraints.nonnegative_integer,
     }
     has_rsample = True
+    has_enumerate_support = True
+    #: The largest support that `enumerate_support` builds (a ``ValueError`` beyond it).
+    max_support = 2**16
 
     def __init__(
         self,
@@ -498,6 +521,56 @@ class ConditionedPoisson(TorchDistribution):
     def probs(self) -> torch.Tensor:
         """``p = rate / sum(rate)``, the multinomial probabilities."""
         return _probs_only(self.rate).to(self.rate.dtype)
+
+    def enumerate_support(self, expand: bool = True) -> torch.Tensor:
+        """Every composition of ``k`` into ``n`` non-negative parts once (all have positive
+        probability), shape ``(count,) + batch_shape + (n,)`` (``expand=True``) or
+        ``(count,) + (1,) * len(batch_shape) + (n,)`` (``expand=False``), as
+        ``torch.distributions.OneHotCategorical``; in reverse lexicographic order (the
+        first is ``(k, 0, ..., 0)``). Needs one ``k`` over the batch (else a
+        ``ValueError``). ``count = C(k + n - 1, n - 1)`` is computed before anything is
+        built; above ``max_support`` it is a ``ValueError``."""
+        name = type(self).__name__
+        k = single_count(self.k.detach().cpu().numpy(), name)
+        if k < 0:
+            raise ValueError(f"{name}.enumerate_support: k = {k} has an empty support")
+        n = self.event_shape[0]
+        count = math.comb(k + n - 1, n - 1)
+        check_support_size(count, self.max_support, name)
+        table = compositions(n, k)
+        values = torch.as_tensor(table, dtype=self.rate.dtype, device=self.rate.device)
+        values = values.reshape((count,) + (1,) * len(self.batch_shape) + self.event_shape)
+        if expand:
+            values = values.expand((count,) + self.batch_shape + self.event_shape)
+        return values
+
+    @property
+    def mode(self) -> torch.Tensor:
+        """The most likely composition (a multinomial mode), exact: every mode is at least
+        ``floor(k p)`` entrywise (the log-pmf is separable and concave in the counts), so
+        starting there and handing the remaining units one at a time to the count with the
+        largest gain ``log p_i - log(z_i + 1)`` is exact. Ties go to the lower index, so
+        among equally likely compositions the result is deterministic. NaN where
+        ``k < 0`` (validation off)."""
+        log_p = self._log_p()
+        k = self._k_long
+        n = self.event_shape[0]
+        p = log_p.exp()
+        # A hair below k p, so that rounding never starts above a mode.
+        start = torch.floor(k[..., None].double() * p * (1 - 8 * torch.finfo(p.dtype).eps))
+        start = start.clamp(min=0)
+        start = torch.minimum(start, k[..., None].double())
+        remaining = k.double() - start.sum(-1)
+        counts = start
+        index = torch.arange(n, device=counts.device)
+        while bool((remaining > 0).any()):
+            gain = log_p - torch.log1p(counts)
+            best = torch.argmax(gain, dim=-1)  # the first maximum: ties to the lower index
+            add = (remaining > 0).to(counts.dtype)
+            counts = counts + add[..., None] * (index == best[..., None]).to(counts.dtype)
+            remaining = remaining - add
+        counts = counts.to(self.rate.dtype)
+        return torch.where(self._k_is_negative[..., None], math.nan, counts)
 
     @property
     def _k_max(self) -> int:
@@ -584,6 +657,11 @@ class ConditionedPoisson(TorchDistribution):
         # A negative k (validation off) has no value in its support.
         log_prob = torch.where(in_support, log_prob, -math.inf)
         return log_prob.to(dtype)
+
+    def __repr__(self) -> str:
+        return parameters_repr(
+            type(self).__name__, {"rate": self.rate, "k": self.k}, integers=("k",)
+        )
 
     def sample(self, sample_shape=_EMPTY_SIZE) -> torch.Tensor:
         """An exact sample (no gradient); NaN where ``k < 0``."""

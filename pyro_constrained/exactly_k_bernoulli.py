@@ -1,9 +1,14 @@
-"""ExactlyKBernoulli: independent Bernoullis conditioned on exactly k ones (MATH.md section 1).
+"""ExactlyKBernoulli: independent Bernoullis conditioned on exactly k ones.
+
+The math: ``docs/distributions/exactly_k_bernoulli.md``.
+
 
 The numerical work (log normaliser, marginals, exact sampling) lives in
 :mod:`pyro_constrained.exactly_k_kernels`; this module handles parameters, infinite logits,
 validation, shapes and the framework's protocols.
 """
+
+import math
 
 import torch
 from pyro.distributions import Bernoulli, TorchDistribution
@@ -11,8 +16,10 @@ from torch.distributions import Distribution, constraints
 from torch.distributions.kl import register_kl
 from torch.distributions.utils import lazy_property
 
-from constrained_ppl_common.arguments import check_count, check_static_bound, check_value_shape
+from constrained_ppl.arguments import check_count, check_static_bound, check_value_shape
+from constrained_ppl.enumeration import check_support_size, k_hot_table, single_count
 from pyro_constrained import exactly_k_kernels as kernels
+from pyro_constrained._repr import parameters_repr
 
 __all__ = ["ExactlyKBernoulli", "KHot"]
 
@@ -114,6 +121,25 @@ class ExactlyKBernoulli(TorchDistribution):
 
     ``rsample`` returns an exact k-hot sample ``z`` whose gradient is that of the conditional
     marginals ``mu`` (the SIMPLE estimator): ``z + (mu - mu.detach())``.
+
+    Examples
+    --------
+    >>> import math
+    >>> import torch
+    >>> from pyro_constrained import ExactlyKBernoulli
+    >>> d = ExactlyKBernoulli(logits=torch.tensor([2.0, 0.0, -1.0, 0.5]), k=2)
+    >>> d
+    ExactlyKBernoulli(logits: torch.Size([4]), k: 2)
+    >>> z = d.rsample((3,))  # exact 2-hot draws carrying the SIMPLE gradient
+    >>> z.shape, bool((z.sum(-1) == 2).all())
+    (torch.Size([3, 4]), True)
+    >>> round(float(d.mean.sum()), 4)  # the inclusion probabilities sum to k
+    2.0
+    >>> support = d.enumerate_support()  # the C(4, 2) = 6 two-hot vectors
+    >>> support.shape, round(float(d.log_prob(support).exp().sum()), 4)
+    (torch.Size([6, 4]), 1.0)
+    >>> bool(d.entropy() < math.log(6))  # below the uniform k-subset's entropy
+    True
     """
 
     # probs first: given probs, the logits derived from them are NaN where probs are invalid,
@@ -126,7 +152,9 @@ class ExactlyKBernoulli(TorchDistribution):
         "k": constraints.nonnegative_integer,
     }
     has_rsample = True
-    has_enumerate_support = False
+    has_enumerate_support = True
+    #: The largest support that `enumerate_support` builds (a ``ValueError`` beyond it).
+    max_support = 2**16
 
     def __init__(
         self,
@@ -294,6 +322,41 @@ class ExactlyKBernoulli(TorchDistribution):
         ranks = torch.argsort(order, dim=-1)
         return (ranks < self.k[..., None]).to(self.logits.dtype)
 
+    def enumerate_support(self, expand: bool = True) -> torch.Tensor:
+        """Every k-hot vector of the support once, shape ``(count,) + batch_shape + (n,)``
+        (``expand=True``) or ``(count,) + (1,) * len(batch_shape) + (n,)`` (``expand=False``),
+        as ``torch.distributions.OneHotCategorical``; in lexicographic order of the
+        positions of the ones. Needs one ``k`` over the batch. Variables with infinite
+        logits (probs 0 or 1) are fixed: vectors that violate them have probability 0 and
+        are left out, so the infinite logits must be the same over the batch (else a
+        ``ValueError``). ``count = C(n_free, k - n_on)`` is computed before anything is
+        built; above ``max_support`` it is a ``ValueError``."""
+        name = type(self).__name__
+        k = single_count(self.k.detach().cpu().numpy(), name)
+        n = self.event_shape[0]
+        on = self.logits == torch.inf
+        off = self.logits == -torch.inf
+        flat_on, flat_off = on.reshape(-1, n), off.reshape(-1, n)
+        if flat_on.shape[0] and (
+            (flat_on != flat_on[:1]).any() or (flat_off != flat_off[:1]).any()
+        ):
+            raise ValueError(
+                f"{name}.enumerate_support needs the infinite logits (probs 0 or 1) to be "
+                "the same over the batch (one support)"
+            )
+        forced_on = torch.nonzero(flat_on[0]).flatten().tolist() if flat_on.shape[0] else []
+        forced_off = torch.nonzero(flat_off[0]).flatten().tolist() if flat_on.shape[0] else []
+        free = n - len(forced_on) - len(forced_off)
+        rest = k - len(forced_on)
+        count = math.comb(free, rest) if 0 <= rest <= free else 0
+        check_support_size(count, self.max_support, name)
+        table = k_hot_table(n, k, forced_on, forced_off)
+        values = torch.as_tensor(table, dtype=self.logits.dtype, device=self.logits.device)
+        values = values.reshape((count,) + (1,) * len(self.batch_shape) + self.event_shape)
+        if expand:
+            values = values.expand((count,) + self.batch_shape + self.event_shape)
+        return values
+
     def _respects_infinite_logits(self, value: torch.Tensor) -> torch.Tensor:
         """Per event: no 1 where the logit is -inf and no 0 where it is +inf."""
         on = value == 1
@@ -406,8 +469,8 @@ class ExactlyKBernoulli(TorchDistribution):
         return batch_shape, torch.Size(shape[-1:])
 
     def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(logits: {tuple(self.logits.shape)}, k: {tuple(self.k.shape)})"
+        return parameters_repr(
+            type(self).__name__, {"logits": self.logits, "k": self.k}, integers=("k",)
         )
 
 

@@ -3,7 +3,8 @@
 ``expected_l1_loss(dist, target) = E_{z ~ dist} ||z - target||_1`` and
 ``expected_l2_loss(dist, target) = E_{z ~ dist} ||z - target||_2^2``, summed over the
 event dimension: one value per batch element, differentiable in the distribution's
-parameters (MATH.md section 5). The target should satisfy the distribution's constraint.
+parameters (the closed forms on each page of ``docs/distributions/``). The target should satisfy the
+distribution's constraint.
 
 The generic functions dispatch on the type of the distribution, as ``kl_divergence``
 finds a KL rule; each distribution's closed forms are registered in a section of its own
@@ -22,17 +23,47 @@ from pyro_constrained.linear_constrained_normal import LinearConstrainedNormal
 
 @singledispatch
 def expected_l1_loss(dist, target: torch.Tensor) -> torch.Tensor:
-    """Expected L1 distance E ||z - target||_1 of a sample z ~ dist from target."""
+    """Expected L1 distance E ||z - target||_1 of a sample z ~ dist from target.
+
+    Examples
+    --------
+    Against the average over the enumerated support:
+
+    >>> import torch
+    >>> from pyro_constrained import ExactlyKBernoulli
+    >>> from pyro_constrained.losses import expected_l1_loss
+    >>> d = ExactlyKBernoulli(torch.tensor([1.0, 0.0, -1.0]), k=1)
+    >>> y = torch.tensor([1.0, 0.0, 0.0])
+    >>> support = d.enumerate_support()
+    >>> brute_force = (d.log_prob(support).exp() * (support - y).abs().sum(-1)).sum()
+    >>> bool(torch.isclose(expected_l1_loss(d, y), brute_force))
+    True
+    """
     raise NotImplementedError(f"no closed-form expected L1 loss for {type(dist).__name__}")
 
 
 @singledispatch
 def expected_l2_loss(dist, target: torch.Tensor) -> torch.Tensor:
-    """Expected squared L2 distance E ||z - target||_2^2 of z ~ dist from target."""
+    """Expected squared L2 distance E ||z - target||_2^2 of z ~ dist from target.
+
+    Examples
+    --------
+    Against the average over the enumerated support:
+
+    >>> import torch
+    >>> from pyro_constrained import ConditionedPoisson
+    >>> from pyro_constrained.losses import expected_l2_loss
+    >>> d = ConditionedPoisson(torch.tensor([1.0, 2.0, 5.0]), k=4)
+    >>> y = torch.tensor([1.0, 1.0, 2.0])
+    >>> support = d.enumerate_support()
+    >>> brute_force = (d.log_prob(support).exp() * ((support - y) ** 2).sum(-1)).sum()
+    >>> bool(torch.isclose(expected_l2_loss(d, y), brute_force))
+    True
+    """
     raise NotImplementedError(f"no closed-form expected L2 loss for {type(dist).__name__}")
 
 
-# ExactlyKBernoulli, with mu the conditional marginals (MATH.md section 5):
+# ExactlyKBernoulli, with mu the conditional marginals (docs/distributions/exactly_k_bernoulli.md):
 # E||z - y||^2 = sum_i mu_i (1 - 2 y_i) + y_i^2,
 # E||z - y||_1 = sum_i mu_i |1 - y_i| + (1 - mu_i) |y_i|.
 
@@ -50,11 +81,11 @@ def _expected_l2_loss_exactly_k(dist: ExactlyKBernoulli, target: torch.Tensor) -
 
 
 # ---------------------------------------------------------------------------------------
-# LinearConstrainedNormal (MATH.md section 5, Gaussian). With m_i = mu_bar_i - y_i and
-# s_i^2 = Sigma_bar_ii every coordinate is N(m_i, s_i^2) around the target, so
-# E|z_i - y_i| = s_i sqrt(2/pi) exp(-m_i^2 / (2 s_i^2)) + m_i erf(m_i / (sqrt(2) s_i)), the
-# folded-normal mean (the published formula has the variance where s_i belongs; see the
-# errata), and E(z_i - y_i)^2 = m_i^2 + s_i^2.
+# LinearConstrainedNormal (docs/distributions/linear_constrained_normal.md, expected losses). With
+# m_i = mu_bar_i - y_i and s_i^2 = Sigma_bar_ii every coordinate is N(m_i, s_i^2) around the target,
+# so E|z_i - y_i| = s_i sqrt(2/pi) exp(-m_i^2 / (2 s_i^2)) + m_i erf(m_i / (sqrt(2) s_i)), the
+# folded-normal mean (the published formula has the variance where s_i belongs; see the errata), and
+# E(z_i - y_i)^2 = m_i^2 + s_i^2.
 
 
 @expected_l2_loss.register(LinearConstrainedNormal)
@@ -82,8 +113,8 @@ def _expected_l1_loss_linear_constrained_normal(
 
 
 # ConditionedPoisson ------------------------------------------------------------------------
-# z_i ~ Binomial(k, p_i) marginally (MATH.md section 5, with the corrected L1 formula, not
-# the published one).
+# z_i ~ Binomial(k, p_i) marginally (docs/distributions/conditioned_poisson.md, with the corrected
+# L1 formula, not the published one).
 
 
 def _binomial_pmf_and_cdf_at(dist: ConditionedPoisson, target: torch.Tensor):

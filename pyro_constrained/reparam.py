@@ -58,6 +58,26 @@ class LinearConstrainedNormalReparam(Reparam):
     Observed sites are left untouched. The new latent site is ``f"{name}_decentered"``
     (batch shape of the original site, event dim 1 plus any ``to_event`` dims), and ``z``
     becomes a deterministic site.
+
+    Examples
+    --------
+    >>> import pyro
+    >>> import pyro.distributions as dist
+    >>> import torch
+    >>> from pyro import poutine
+    >>> from pyro_constrained import LinearConstrainedNormal, LinearConstrainedNormalReparam
+    >>> def model():
+    ...     total = pyro.sample("total", dist.Normal(3.0, 0.1))  # k depends on a latent
+    ...     return pyro.sample("z", LinearConstrainedNormal(torch.zeros(3), torch.ones(3), k=total))
+    >>> reparam_model = poutine.reparam(model, config={"z": LinearConstrainedNormalReparam()})
+    >>> trace = poutine.trace(reparam_model).get_trace()
+    >>> [name for name, site in trace.nodes.items() if site["type"] == "sample"]
+    ['total', 'z_decentered', 'z']
+    >>> trace.nodes["z_decentered"]["value"].shape  # n - a = 2 standard-Normal coordinates
+    torch.Size([2])
+    >>> z, total = trace.nodes["z"]["value"], trace.nodes["total"]["value"]
+    >>> bool(torch.isclose(z.sum(), total))
+    True
     """
 
     def apply(self, msg):

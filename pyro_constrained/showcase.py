@@ -1,7 +1,7 @@
 """The showcase run by ``python -m pyro_constrained``: one small model per distribution.
 
 Each experiment builds synthetic data with NumPy from a fixed seed (the generators live in
-``constrained_ppl_showcase``, which imports neither torch nor JAX, so that the NumPyro
+``constrained_ppl.showcase``, which imports neither torch nor JAX, so that the NumPyro
 mirror, ``numpyro_constrained.showcase``, builds the very same data), fits a model with
 Pyro's SVI, draws samples from the fitted distribution, and measures
 
@@ -27,7 +27,7 @@ import numpy as np
 
 # The framework-free half (data, results table, command line) is shared with the NumPyro
 # showcase, so that both fit the very same data.
-from constrained_ppl_showcase import (
+from constrained_ppl.showcase import (
     ELECTRONEGATIVITY,
     ShowcaseResult,
     make_bags,
@@ -35,7 +35,7 @@ from constrained_ppl_showcase import (
     make_sparse_regression,
     run_experiments,
 )
-from constrained_ppl_showcase import main as _shared_main
+from constrained_ppl.showcase import main as _shared_main
 
 # ---------------------------------------------------------------------------------------
 # Experiments (Pyro)

@@ -1,4 +1,4 @@
-"""The shared argument rules (constrained_ppl_common.arguments), checked on plain values
+"""The shared argument rules (constrained_ppl.arguments), checked on plain values
 and on each framework's arrays."""
 
 import jax.numpy as jnp
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from constrained_ppl_common.arguments import check_count, check_static_bound, check_value_shape
+from constrained_ppl.arguments import check_count, check_static_bound, check_value_shape
 
 
 @pytest.mark.parametrize(

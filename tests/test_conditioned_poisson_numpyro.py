@@ -475,7 +475,7 @@ def test_whole_number_float_k_is_the_count(k):
     value[1, 0] = k_int[1]
     expected = [_scipy_log_prob(rate[b], k_int[b], value[b]) for b in (0, 1)]
     np.testing.assert_allclose(d.log_prob(jnp.asarray(value)), expected, rtol=1e-12)
-    assert d.k_max == int(k_int.max())
+    assert d.k_max is None and d._table_bound() == int(k_int.max())
     np.testing.assert_allclose(d.entropy(), oracle.multinomial_entropy(rate, k_int), rtol=1e-10)
 
 
@@ -491,11 +491,11 @@ def test_k_that_is_no_count_is_a_value_error_whatever_validate_args(k, validate_
 def test_k_max_is_kept_as_given_and_the_bound_is_decided_at_call_time():
     rate = jnp.asarray(RATES[:2])
     k = np.array([3, 4])
-    assert ConditionedPoisson(rate, k=k)._k_max is None
-    assert ConditionedPoisson(rate, k=k).k_max == 4  # from the concrete k
-    assert ConditionedPoisson(rate, k=k, k_max=10)._k_max == 10
-    assert ConditionedPoisson(rate, k=k, k_max=10).k_max == 4
-    assert ConditionedPoisson(rate, k=k, k_max=10.0)._k_max == 10  # a whole-number float
+    assert ConditionedPoisson(rate, k=k).k_max is None
+    assert ConditionedPoisson(rate, k=k)._table_bound() == 4  # from the concrete k
+    assert ConditionedPoisson(rate, k=k, k_max=10).k_max == 10
+    assert ConditionedPoisson(rate, k=k, k_max=10)._table_bound() == 4
+    assert ConditionedPoisson(rate, k=k, k_max=10.0).k_max == 10  # a whole-number float
     for bad in (3.5, -1, True, jnp.array(5)):
         with pytest.raises(ValueError, match="k_max"):
             ConditionedPoisson(rate, k=k, k_max=bad)
@@ -507,10 +507,10 @@ def test_k_max_is_kept_as_given_and_the_bound_is_decided_at_call_time():
     bounds = {}
 
     def record(k):
-        bounds["traced"] = ConditionedPoisson(rate, k=k).k_max
-        bounds["traced, k_max=7"] = ConditionedPoisson(rate, k=k, k_max=7).k_max
-        bounds["constant"] = ConditionedPoisson(rate, k=np.array([1, 2])).k_max
-        bounds["aux"] = ConditionedPoisson(rate, k=k, k_max=7)._k_max
+        bounds["traced"] = ConditionedPoisson(rate, k=k)._table_bound()
+        bounds["traced, k_max=7"] = ConditionedPoisson(rate, k=k, k_max=7)._table_bound()
+        bounds["constant"] = ConditionedPoisson(rate, k=np.array([1, 2]))._table_bound()
+        bounds["aux"] = ConditionedPoisson(rate, k=k, k_max=7).k_max
         return k
 
     jax.jit(record)(k)
@@ -579,7 +579,7 @@ def _methods_called(d):
     d.log_prob(d.sample(jax.random.PRNGKey(0), (2,)))
     d.mean, d.variance, d.probs, d.support, d.marginals  # noqa: B018
     d.log_constraint_prob()
-    if d.k_max is not None:
+    if d._table_bound() is not None:
         d.entropy()
     kl_divergence(d, d)
     d.expand((3,) + d.batch_shape)
@@ -729,3 +729,12 @@ def test_a_value_of_the_wrong_shape_is_a_value_error_naming_the_expected_shape(s
     log_prob = jax.jit(d.log_prob) if jit else d.log_prob
     with pytest.raises(ValueError, match=r"expected a shape broadcasting with \(\.\.\., 4, 3\)"):
         log_prob(jnp.zeros(shape))
+
+
+def test_repr_names_each_parameter_by_value_or_shape():
+    # The Pyro package's format, with shapes as tuples.
+    rate = jnp.ones((3, 4))
+    assert repr(ConditionedPoisson(rate, k=jnp.array([1, 2, 3]))) == (
+        "ConditionedPoisson(rate: (3, 4), k: (3,))"
+    )
+    assert repr(ConditionedPoisson(rate[0], k=7.0)) == "ConditionedPoisson(rate: (4,), k: 7)"

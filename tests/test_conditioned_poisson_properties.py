@@ -451,7 +451,7 @@ def test_bad_rate_is_a_value_error_naming_rate(rate):
         numpyro_constrained.ConditionedPoisson(jnp.asarray(rate), k=2)
 
 
-# One rule for counts in both packages (constrained_ppl_common.arguments.check_count): a
+# One rule for counts in both packages (constrained_ppl.arguments.check_count): a
 # whole-number float is the count (see test_whole_number_float_k_is_the_count_in_both_packages).
 BAD_K = {
     "negative": -1,

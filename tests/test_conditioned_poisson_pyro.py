@@ -677,3 +677,15 @@ def test_log_prob_traced_with_values_in_the_support_still_gives_minus_inf_off_it
     assert log_prob[0].item() == -math.inf
     expected = stats.multinomial(4, (rate[1] / rate[1].sum()).numpy()).logpmf([1, 1, 2])
     assert log_prob[1].item() == pytest.approx(expected, rel=1e-12)
+
+
+def test_repr_names_each_parameter_by_value_or_shape():
+    # torch.distributions' convention: a one-element parameter by its value, else its shape;
+    # k, stored in the rate's float dtype, prints as the count it is.
+    rate = torch.ones(3, 4)
+    assert repr(ConditionedPoisson(rate, k=torch.tensor([1, 2, 3]))) == (
+        "ConditionedPoisson(rate: torch.Size([3, 4]), k: torch.Size([3]))"
+    )
+    assert repr(ConditionedPoisson(rate[0], k=7)) == (
+        "ConditionedPoisson(rate: torch.Size([4]), k: 7)"
+    )

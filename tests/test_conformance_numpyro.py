@@ -361,7 +361,7 @@ def test_has_rsample(case):
 def test_sample_gradient(case):
     """Gradient of a weighted sum of one sample w.r.t. each reparametrised parameter: right
     shape, finite, and equal to the straight-through estimator's (the gradient of the same
-    sum of the mean, API.md / MATH.md section 4)."""
+    sum of the mean, API.md / docs/distributions/gradient_estimators.md)."""
     names = _reparametrized_names(case)
     if not names:
         pytest.skip("no reparametrised parameter in this setting")
@@ -734,6 +734,8 @@ def test_k_max(cls_name):
     bound = int(np.max(params["k"]))
     d = build(case)
     bounded = cls(**params, k_max=bound)
+    # One meaning in every class and both packages: the attribute is what was passed.
+    assert d.k_max is None and bounded.k_max == bound
     value = d.sample(key(0))
     np.testing.assert_allclose(bounded.log_prob(value), d.log_prob(value), rtol=1e-6)
     with pytest.raises(ValueError):

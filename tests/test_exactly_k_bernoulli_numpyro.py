@@ -712,3 +712,17 @@ def test_validation_inside_jit_checks_closed_over_constants_without_tracer_error
         jax.jit(lambda: ExactlyKBernoulli(logits=forced, k=1, validate_args=True).mean)()
     with pytest.raises(ValueError, match="invalid probs"):
         jax.jit(lambda: ExactlyKBernoulli(probs=twos, k=1, validate_args=True).mean)()
+
+
+def test_repr_names_each_parameter_by_value_or_shape():
+    # The Pyro package's format, with shapes as tuples; a traced parameter by its shape.
+    logits = jnp.zeros((3, 5))
+    k = jnp.array([1, 2, 4])
+    assert repr(ExactlyKBernoulli(logits, k=k)) == "ExactlyKBernoulli(logits: (3, 5), k: (3,))"
+    assert repr(ExactlyKBernoulli(logits[0], k=2.0)) == "ExactlyKBernoulli(logits: (5,), k: 2)"
+    assert repr(ExactlyKBernoulli(jnp.array([0.25]), k=1)) == (
+        "ExactlyKBernoulli(logits: 0.25, k: 1)"
+    )
+    seen = []
+    jax.jit(lambda x: seen.append(repr(ExactlyKBernoulli(x, k=1))) or x)(jnp.array([0.25]))
+    assert seen == ["ExactlyKBernoulli(logits: (1,), k: 1)"]

@@ -534,3 +534,18 @@ def test_traced_kernels_equal_eager_ones_at_sizes_that_use_every_path():
             got = traced(logits + shift)
             for a, b in zip(got, want, strict=True):
                 torch.testing.assert_close(a, b, atol=tolerance, rtol=0)
+
+
+def test_repr_names_each_parameter_by_value_or_shape():
+    # torch.distributions' convention: a one-element parameter by its value, else its shape.
+    logits = torch.randn(3, 5)
+    k = torch.tensor([1, 2, 4])
+    assert repr(ExactlyKBernoulli(logits, k=k)) == (
+        "ExactlyKBernoulli(logits: torch.Size([3, 5]), k: torch.Size([3]))"
+    )
+    assert repr(ExactlyKBernoulli(logits[0], k=2)) == (
+        "ExactlyKBernoulli(logits: torch.Size([5]), k: 2)"
+    )
+    assert repr(ExactlyKBernoulli(torch.tensor([0.25]), k=1)) == (
+        "ExactlyKBernoulli(logits: 0.25, k: 1)"
+    )

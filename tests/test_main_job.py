@@ -83,17 +83,17 @@ def test_main_job_prints_a_passing_results_table(package):
 @pytest.mark.parametrize("package", PACKAGES)
 def test_both_packages_use_the_shared_data_generators(package):
     # Both showcases fit the same data because they call the one copy of the generators.
-    import constrained_ppl_showcase
+    import constrained_ppl.showcase
 
     showcase = importlib.import_module(f"{package}.showcase")
     for name in ["make_sparse_regression", "make_molecules", "make_bags", "ShowcaseResult"]:
-        assert getattr(showcase, name) is getattr(constrained_ppl_showcase, name), name
+        assert getattr(showcase, name) is getattr(constrained_ppl.showcase, name), name
 
 
 @pytest.mark.parametrize(
     "module, foreign",
     [
-        ("constrained_ppl_showcase", ["torch", "jax"]),
+        ("constrained_ppl.showcase", ["torch", "jax"]),
         ("pyro_constrained.showcase", ["jax"]),
         ("numpyro_constrained.showcase", ["torch"]),
     ],
@@ -113,7 +113,7 @@ def test_showcase_imports_only_its_own_framework(module, foreign):
 
 def test_molecule_charges_sum_to_the_total_charge():
     # The data generator's own promise, checked independently of any distribution.
-    from constrained_ppl_showcase import make_molecules
+    from constrained_ppl.showcase import make_molecules
 
     data = make_molecules(np.random.default_rng(0), n_molecules=50, n_atoms=7)
     np.testing.assert_allclose(data["charges"].sum(-1), data["total"], atol=1e-12)

@@ -2,6 +2,12 @@
 
 Each notebook asserts its own headline result in its last cell, so executing it is the
 test: a failing cell (an exception or a failed assertion) fails the test.
+
+Executing them (``test_notebook_runs``, marked ``notebooks``) takes about three minutes of
+CPU, a quarter of the suite's budget, and CI executes them anyway when it builds the
+documentation (myst-nb, a failing cell fails the build). So the default test command
+deselects them (``-m "not notebooks"`` in setup.cfg) and keeps the checks here that cost
+nothing; ``python -m pytest -m notebooks`` runs them as a test.
 """
 
 import os
@@ -19,12 +25,14 @@ EXPECTED = [
     "02_charge_neutral_prediction.ipynb",
     "03_count_deconvolution.ipynb",
     "04_constrained_vae_digits.ipynb",
+    "05_discrete_inference.ipynb",
+    "06_process_surrogate.ipynb",
 ]
 # The issue allows three minutes per notebook on a 2-core CPU; idle, each takes under 40 s.
 TIMEOUT_S = 180
 
 
-def test_the_four_tutorials_exist():
+def test_the_tutorials_exist():
     assert sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) == EXPECTED
 
 
@@ -39,6 +47,7 @@ def test_notebook_is_stored_without_outputs(name):
         assert cell.execution_count is None, cell.source[:80]
 
 
+@pytest.mark.notebooks
 @pytest.mark.parametrize("name", EXPECTED)
 def test_notebook_runs(name):
     notebook = nbformat.read(NOTEBOOKS / name, as_version=4)

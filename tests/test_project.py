@@ -1,7 +1,10 @@
 """The project's own promises: CI runs the README's test command."""
 
+import inspect
 import re
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,3 +24,39 @@ def test_ci_runs_the_readme_test_command():
 def test_readme_main_job_runs_a_package():
     commands = _readme_commands()
     assert any(c.rstrip().endswith("python -m pyro_constrained") for c in commands), commands
+
+
+def _docstring_layout(obj) -> tuple[list[str], list[str]]:
+    """The ``:param name:`` entries and the numpydoc section headings, in order."""
+    lines = (inspect.getdoc(obj) or "").splitlines()
+    params = [m.group(1) for line in lines if (m := re.match(r"\s*:param (\w+):", line))]
+    headings = [
+        lines[i].strip()
+        for i in range(len(lines) - 1)
+        if re.fullmatch(r"-{3,}", lines[i + 1].strip()) and lines[i].strip()
+    ]
+    return params, headings
+
+
+def test_public_docstrings_have_the_same_layout_in_both_packages():
+    pyro_constrained = pytest.importorskip("pyro_constrained")
+    numpyro_constrained = pytest.importorskip("numpyro_constrained")
+    shared = sorted(set(pyro_constrained.__all__) & set(numpyro_constrained.__all__))
+    assert {"ExactlyKBernoulli", "LinearConstrainedNormal", "ConditionedPoisson"} <= set(shared)
+    compared = 0
+    for name in shared:
+        pyro_obj = getattr(pyro_constrained, name)
+        numpyro_obj = getattr(numpyro_constrained, name)
+        if name == "losses":  # a module: compare its public functions
+            functions = ("expected_l1_loss", "expected_l2_loss")
+            pairs = [(getattr(pyro_obj, f), getattr(numpyro_obj, f)) for f in functions]
+        elif name == "nn":  # a Module in Pyro, functions in NumPyro: different by design
+            continue
+        else:
+            pairs = [(pyro_obj, numpyro_obj)]
+        for left, right in pairs:
+            layout = _docstring_layout(left)
+            assert layout[1], f"{left} has no sections"
+            assert layout == _docstring_layout(right), (left, right)
+            compared += 1
+    assert compared >= 7

@@ -1,4 +1,4 @@
-"""The synthetic gradient-estimator study (MATH.md section 4; issue 7).
+"""The synthetic gradient-estimator study (docs/distributions/gradient_estimators.md; issue 7).
 
 ``python -m pyro_constrained.experiments.estimators --out DIR [--quick]`` writes
 

@@ -5,9 +5,9 @@ independent estimate per row, ``p`` the number of parameters (flattened in the o
 ``problem.params``). They draw from the global torch RNG (seed it with
 ``pyro.set_rng_seed``).
 
-Most are straight-through estimators (MATH.md section 4): the forward value is an exact
-sample ``z`` of the constrained distribution and the backward pass differentiates a proxy
-``m(theta)``, so the estimate is ``(d m / d theta)^T grad_z l(z, y)``:
+Most are straight-through estimators (docs/distributions/gradient_estimators.md): the forward value
+is an exact sample ``z`` of the constrained distribution and the backward pass differentiates a
+proxy ``m(theta)``, so the estimate is ``(d m / d theta)^T grad_z l(z, y)``:
 
 ============================  ================================================  ==========
 name                          proxy ``m(theta)``                                 families
@@ -16,7 +16,7 @@ name                          proxy ``m(theta)``                                
 ``pathwise``                  the library's exact Matheron sample               Gaussian
 ``score_function``            REINFORCE: ``l(z, y) grad log p_theta(z)``        all
 ``constrained_marginal``      conditional marginal pdf/pmf at the sample        all
-``unconstrained_marginal``    ``E[z_i]`` ignoring the constraint (MATH.md)      all
+``unconstrained_marginal``    ``E[z_i]`` ignoring the constraint (docs)         all
 ``unconstrained_density``     unconstrained pdf/pmf at the sample (004 Tab. 1)  all
 ``constrained_layer``         ``Proj(loc + scale * eps)`` (004 Table 1)         Gaussian
 ``random``                    none: ``N(0, I)`` noise                           all
@@ -143,8 +143,8 @@ def constrained_marginal(problem: SyntheticProblem, num_samples: int) -> torch.T
 
 
 def unconstrained_marginal(problem: SyntheticProblem, num_samples: int) -> torch.Tensor:
-    """Proxy: the mean ``E[z_i]`` of the variables before conditioning (MATH.md section 4):
-    ``sigmoid(logits)``, ``loc``, ``rate``."""
+    """Proxy: the mean ``E[z_i]`` of the variables before conditioning
+    (docs/distributions/gradient_estimators.md): ``sigmoid(logits)``, ``loc``, ``rate``."""
     return _proxy_estimates(
         problem, num_samples, lambda rows, samples: problem.unconstrained(rows).mean
     )

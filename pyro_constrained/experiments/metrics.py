@@ -1,4 +1,7 @@
-"""Bias, variance and error of a gradient estimator in cosine distance (MATH.md section 4).
+"""Bias, variance and error of a gradient estimator in cosine distance.
+
+The math: ``docs/distributions/gradient_estimators.md``.
+
 
 Given per-sample gradient estimates ``h_1 .. h_S`` (rows of ``estimates``) and the exact
 gradient ``h_true``, with ``cd(a, b) = 1 - cos(a, b)`` and ``h_bar = mean_j h_j``:

@@ -4,7 +4,7 @@ A problem fixes a constrained distribution's parameters ``theta``, a target ``y`
 point-wise loss ``l(z, y) = ||z - y||_1`` or ``||z - y||_2^2``; the quantity whose gradient
 the estimators approximate is ``L(theta) = E_{z ~ p_theta(z | constraint)} l(z, y)``, and
 the exact gradient comes from autodiff of the library's closed-form expected loss
-(MATH.md section 5). ``theta`` is, as in the papers:
+(the closed forms in ``docs/distributions/``). ``theta`` is, as in the papers:
 
 - Bernoulli: the logits (n values), with ``y ~ N(0, I)`` as in SIMPLE section 4.1;
 - Gaussian: ``(loc, scale)`` of a diagonal Gaussian (2n values), conditioned on ``A z = k``;

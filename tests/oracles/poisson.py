@@ -128,16 +128,28 @@ def mean_jacobian(rate, k) -> np.ndarray:
 
 
 # Extended-precision and O(nk) references (for the property tests) ---------------------------
-# mpmath at 60 significant digits works from the rates themselves, so rates from 1e-30 to
-# 1e30 side by side (and their sum) lose nothing; nothing here uses the library's formulas
-# for normalising p in log space.
+# mpmath works from the rates themselves, with 60 significant digits more than the decimal
+# range of the rates, so that their sum is exact and every p_i = rate_i / sum keeps 60 digits
+# (rates 1e30 and 1e-30 side by side need 60 digits just to hold 1e30 + 1e-30: at a fixed 60
+# digits, log p of the large rate, about -1e-60, came out 1% off). Nothing here uses the
+# library's formulas for normalising p in log space.
 
 MPMATH_DIGITS = 60
+
+
+def _digits_for(*rates) -> int:
+    """``MPMATH_DIGITS`` plus the decimal range of the positive rates (at least 0)."""
+    values = np.concatenate([np.ravel(np.asarray(r, dtype=np.float64)) for r in rates])
+    values = values[values > 0]
+    if values.size == 0:
+        return MPMATH_DIGITS
+    return MPMATH_DIGITS + max(0, math.ceil(math.log10(values.max() / values.min())))
 
 
 def _mp_probs(rate) -> list:
     import mpmath
 
+    # Called inside the caller's workdps(_digits_for(rate)).
     rate = [mpmath.mpf(float(r)) for r in np.asarray(rate, dtype=np.float64)]
     total = mpmath.fsum(rate)
     return [r / total for r in rate]
@@ -148,7 +160,7 @@ def mp_log_probs_and_complements(rate) -> tuple[np.ndarray, np.ndarray]:
     total, so no cancellation), at 60 digits, rounded to float64."""
     import mpmath
 
-    with mpmath.workdps(MPMATH_DIGITS):
+    with mpmath.workdps(_digits_for(rate)):
         rate_mp = [mpmath.mpf(float(r)) for r in np.asarray(rate, dtype=np.float64)]
         total = mpmath.fsum(rate_mp)
         log_p = [mpmath.log(r / total) for r in rate_mp]
@@ -168,7 +180,7 @@ def mp_multinomial_logpmf(rate, k: int, value) -> float:
     value = [int(v) for v in np.asarray(value)]
     if min(value) < 0 or sum(value) != k:
         return -math.inf
-    with mpmath.workdps(MPMATH_DIGITS):
+    with mpmath.workdps(_digits_for(rate)):
         probs = _mp_probs(rate)
         log_pmf = mpmath.loggamma(k + 1) - mpmath.fsum(mpmath.loggamma(z + 1) for z in value)
         log_pmf += mpmath.fsum(z * mpmath.log(p) for z, p in zip(value, probs, strict=True) if z)
@@ -181,7 +193,7 @@ def mp_enumerated_log_pmf(rate, k: int) -> tuple[np.ndarray, list]:
     import mpmath
 
     support = compositions(len(rate), k)
-    with mpmath.workdps(MPMATH_DIGITS):
+    with mpmath.workdps(_digits_for(rate)):
         rate_mp = [mpmath.mpf(float(r)) for r in np.asarray(rate, dtype=np.float64)]
         # prod_i Poisson(z_i; r_i) = exp(-sum r) prod_i r_i^z_i / z_i!: the factor exp(-sum r)
         # is the same for every composition and cancels in the normalisation, so it is left

@@ -6,8 +6,8 @@ It imports neither torch nor JAX, so each package's ``showcase`` module, which h
 its own models and SVI loop, works with only its own framework installed.
 """
 
-from constrained_ppl_showcase.cli import main, parse_args, run_experiments
-from constrained_ppl_showcase.data import (
+from constrained_ppl.showcase.cli import main, parse_args, run_experiments
+from constrained_ppl.showcase.data import (
     ELECTRONEGATIVITY,
     ELEMENT_FREQUENCY,
     HARDNESS,
@@ -15,7 +15,7 @@ from constrained_ppl_showcase.data import (
     make_molecules,
     make_sparse_regression,
 )
-from constrained_ppl_showcase.report import ShowcaseResult, format_table
+from constrained_ppl.showcase.report import ShowcaseResult, format_table
 
 __all__ = [
     "ELECTRONEGATIVITY",

@@ -8,7 +8,7 @@ import argparse
 import time
 from collections.abc import Callable, Sequence
 
-from constrained_ppl_showcase.report import ShowcaseResult, format_table
+from constrained_ppl.showcase.report import ShowcaseResult, format_table
 
 # An experiment fits one model and returns its row: ``experiment(seed=, progress=, steps=)``.
 Experiment = Callable[..., ShowcaseResult]

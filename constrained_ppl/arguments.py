@@ -11,11 +11,12 @@ count is meant. The range ``0 <= k <= bound`` is the distributions' own validati
 
 from __future__ import annotations
 
+import math
 from numbers import Integral, Real
 
 import numpy as np
 
-__all__ = ["check_count", "check_static_bound", "check_value_shape"]
+__all__ = ["check_count", "check_head_options", "check_static_bound", "check_value_shape"]
 
 
 def _dtype_kind(k) -> str | None:
@@ -96,3 +97,23 @@ def check_value_shape(
             f"{distribution}: a value of shape {value_shape} does not broadcast with the batch "
             f"shape {batch_shape}; expected a shape broadcasting with {expected}"
         ) from None
+
+
+def check_head_options(
+    n: int, *, min_scale: float, init_scale: float, output_loc, output_scale
+) -> None:
+    """The regression head's scale floor and output standardisation, the same in both
+    packages (``pyro_constrained.nn``, ``numpyro_constrained.nn``): ``min_scale`` positive
+    and finite, ``init_scale`` above it, ``output_loc`` and ``output_scale`` finite of shape
+    ``(n,)`` (NumPy arrays, concrete), ``output_scale`` positive."""
+    if not (min_scale > 0 and math.isfinite(min_scale)):
+        raise ValueError(f"min_scale must be positive and finite, got {min_scale}")
+    if not init_scale > min_scale:
+        raise ValueError(f"init_scale ({init_scale}) must exceed min_scale ({min_scale})")
+    for name, value in (("output_loc", output_loc), ("output_scale", output_scale)):
+        if value.shape != (n,):
+            raise ValueError(f"{name} must have shape ({n},), got {tuple(value.shape)}")
+        if not np.isfinite(value).all():
+            raise ValueError(f"{name} must be finite")
+    if not (output_scale > 0).all():
+        raise ValueError("output_scale must be positive")

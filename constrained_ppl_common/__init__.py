@@ -1,1 +1,0 @@
-"""Framework-free helpers shared by ``pyro_constrained`` and ``numpyro_constrained``."""

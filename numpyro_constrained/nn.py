@@ -1,0 +1,326 @@
+"""A regression head that predicts a :class:`LinearConstrainedNormal` per example, as plain
+functions of a parameter dict (``jax.numpy`` only: no neural-network framework needed).
+
+The NumPyro counterpart of :class:`pyro_constrained.nn.LinearConstrainedNormalHead`, with
+the same parameterisation, the same losses and the same default recipe; see that module's
+docstring, summarised here. For outputs obeying linear balances ``A y + B x = b``, every
+example shares ``A`` and has its own right-hand side ``k = b - B x``.
+
+Usage::
+
+    params, state = init_head(key, in_features, constraint, output_loc=m, output_scale=s)
+    loss = head_loss(params, state, features, k, target)          # differentiate in params
+    dist = head_distribution(params, state, features, k)           # predictions, intervals
+
+``params`` is a dict of arrays (what an optimiser updates); ``state`` holds what is not
+trained: the constraint, its scaled copy ``A diag(output_scale)`` (factorised once, at
+init), ``output_loc``, ``output_scale`` and ``min_scale``. Both are pytrees, so the
+functions work under ``jax.jit`` / ``jax.grad`` / ``jax.vmap``.
+
+**Which loss to use when** (``mu_bar``: the conditional mean, the ``Sigma^{-1}``-weighted
+projection of ``loc`` onto ``{A y = k}``; ``s``: the scales):
+
+- ``"mse+nll"`` (default, recommended): ``||loc - y||^2 - log p(y)`` with ``loc`` held
+  fixed in the log-likelihood: the mean branch learns an unconstrained prediction by plain
+  squared error (every output weighted alike), the scale is fitted by likelihood to its
+  residuals, and the prediction ``mu_bar`` conditions ``loc`` on the balances with those
+  scales as weights. Then :func:`calibrate_head` on held-out data.
+- ``"nll"``: ``-log p(y)``; weights each output's squared error by ``1 / s_i^2``, trading
+  squared error on noisy outputs for likelihood on precise ones. For when the likelihood
+  itself is the goal.
+- ``"mse"``: ``||mu_bar - y||^2`` (with a constant scale: the orthogonal projection layer);
+  the scale is not calibrated.
+- ``"expected_l2"`` / ``"expected_l1"``: ``E ||y_hat - y||^2`` or ``E ||y_hat - y||_1`` for
+  a predictive draw ``y_hat``; minimised by ``s -> 0``, so the scale rests on its floor and
+  the intervals are not calibrated.
+
+**Calibration**: :func:`calibrate_head` fits one factor ``t`` for all scales by maximum
+likelihood on held-out data, ``t^2 = mean ||(y - mu_bar) / s||^2 / (n - a)``; ``mu_bar``
+does not change.
+
+**Scale**: ``s = min_scale + softplus(raw)`` in units of ``output_scale``, with ``raw`` one
+learned vector (``"per_output"``, default: homoscedastic, one factorisation of
+``A diag(s)`` for the whole batch) or from a small MLP of its own on the features with
+their gradient stopped (``"per_example"``): the floor holds whatever the loss does. The losses
+are computed in the scaled coordinates ``y / output_scale`` (constraint
+``A diag(output_scale)``, same ``k``; scaling without centring keeps the relative support
+tolerance invariant).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from constrained_ppl.arguments import check_head_options
+from numpyro_constrained.linear_constrained_normal import LinearConstrainedNormal
+from numpyro_constrained.linear_constraint import LinearConstraint
+from numpyro_constrained.losses import expected_l1_loss, expected_l2_loss
+
+LOSSES = ("mse+nll", "nll", "mse", "expected_l2", "expected_l1")
+SCALES = ("per_example", "per_output")
+
+
+def _inverse_softplus(value: float) -> float:
+    return value + math.log(-math.expm1(-value))
+
+
+def _init_linear(key: jax.Array, in_features: int, out_features: int, dtype) -> dict:
+    """torch.nn.Linear's default initialisation: weight and bias ~ U(-1/sqrt(in), 1/sqrt(in)),
+    weight stored (out, in) as in torch, so weights can be copied between the two."""
+    bound = 1.0 / math.sqrt(in_features)
+    key_w, key_b = jax.random.split(key)
+    return {
+        "weight": jax.random.uniform(key_w, (out_features, in_features), dtype, -bound, bound),
+        "bias": jax.random.uniform(key_b, (out_features,), dtype, -bound, bound),
+    }
+
+
+def _linear(layer: dict, x: jax.Array) -> jax.Array:
+    return x @ layer["weight"].T + layer["bias"]
+
+
+def init_head(
+    key: jax.Array,
+    in_features: int,
+    constraint: LinearConstraint,
+    *,
+    scale: str = "per_output",
+    scale_hidden: int = 32,
+    min_scale: float = 1e-2,
+    init_scale: float = 1.0,
+    output_loc: jax.Array | None = None,
+    output_scale: jax.Array | None = None,
+    dtype=jnp.float32,
+) -> tuple[dict, dict]:
+    """Initial ``(params, state)`` of a head over ``constraint.n`` outputs.
+
+    :param key: PRNG key.
+    :param in_features: size of the features (the backbone's last layer).
+    :param constraint: the :class:`~numpyro_constrained.LinearConstraint` ``A`` (a x n) shared by
+        all examples; its ``rtol`` is the support tolerance for targets.
+    :param scale: ``"per_output"`` (default: one learned vector) or ``"per_example"`` (a
+        small MLP on the stopped-gradient features).
+    :param scale_hidden: width of the scale MLP's hidden layer.
+    :param min_scale: the floor of the scale, in units of ``output_scale``.
+    :param init_scale: the scale at initialisation, in units of ``output_scale``.
+    :param output_loc: (n,) offset of the outputs (default 0).
+    :param output_scale: (n,) positive scale of the outputs (default 1).
+    :param dtype: dtype of the parameters.
+
+    Examples
+    --------
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> from numpyro_constrained import LinearConstraint
+    >>> from numpyro_constrained.nn import init_head
+    >>> constraint = LinearConstraint(jnp.array([[1.0, 1.0, 1.0]]))  # y1 + y2 + y3 = k
+    >>> params, state = init_head(jax.random.PRNGKey(0), 4, constraint)
+    >>> features = jax.random.normal(jax.random.PRNGKey(1), (5, 4))
+    >>> k = jax.random.normal(jax.random.PRNGKey(2), (5, 1))
+    >>> sorted(params), params["mean"]["weight"].shape  # weights stored (out, in) as in torch
+    (['mean', 'raw_scale'], (3, 4))
+    """
+    if scale not in SCALES:
+        raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
+    if not isinstance(constraint, LinearConstraint):
+        raise ValueError(f"constraint must be a LinearConstraint, got {type(constraint).__name__}")
+    n = constraint.n
+    output_loc = jnp.zeros(n, dtype) if output_loc is None else jnp.asarray(output_loc, dtype)
+    output_scale = jnp.ones(n, dtype) if output_scale is None else jnp.asarray(output_scale, dtype)
+    check_head_options(
+        n,
+        min_scale=min_scale,
+        init_scale=init_scale,
+        output_loc=np.asarray(output_loc),
+        output_scale=np.asarray(output_scale),
+    )
+
+    key_mean, key_hidden = jax.random.split(key)
+    raw_init = _inverse_softplus(init_scale - min_scale)
+    params = {"mean": _init_linear(key_mean, in_features, n, dtype)}
+    if scale == "per_example":
+        # The output layer starts at zero weight and the initial scale's bias, so early
+        # steps do not depend on the random features (as in the torch module).
+        params["scale_hidden"] = _init_linear(key_hidden, in_features, scale_hidden, dtype)
+        params["scale_out"] = {
+            "weight": jnp.zeros((n, scale_hidden), dtype),
+            "bias": jnp.full((n,), raw_init, dtype),
+        }
+    else:
+        params["raw_scale"] = jnp.full((n,), raw_init, dtype)
+    scaled_constraint = (
+        constraint
+        if bool((output_scale == 1).all())
+        else LinearConstraint(constraint.A * output_scale, rtol=constraint._rtol)
+    )
+    state = {
+        "constraint": constraint,
+        "scaled_constraint": scaled_constraint,
+        "output_loc": output_loc,
+        "output_scale": output_scale,
+        "min_scale": jnp.asarray(min_scale, dtype),
+        "scale_factor": jnp.ones((), dtype),
+    }
+    return params, state
+
+
+def head_parameters(params: dict, state: dict, features: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(loc, scale)`` in the scaled coordinates ``y / output_scale``:
+    ``loc = output_loc / output_scale + W f + c``, ``scale = min_scale + softplus(raw)``
+    (``raw`` is (n,) for a per-output scale: one factorisation serves the whole batch).
+
+    Examples
+    --------
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> from numpyro_constrained import LinearConstraint
+    >>> from numpyro_constrained.nn import head_parameters, init_head
+    >>> constraint = LinearConstraint(jnp.array([[1.0, 1.0, 1.0]]))  # y1 + y2 + y3 = k
+    >>> params, state = init_head(jax.random.PRNGKey(0), 4, constraint)
+    >>> features = jax.random.normal(jax.random.PRNGKey(1), (5, 4))
+    >>> k = jax.random.normal(jax.random.PRNGKey(2), (5, 1))
+    >>> loc, scale = head_parameters(params, state, features)
+    >>> loc.shape, scale.shape  # a per-output scale: one vector for the batch
+    ((5, 3), (3,))
+    >>> bool((scale > state["min_scale"]).all())
+    True
+    """
+    loc = _linear(params["mean"], features) + state["output_loc"] / state["output_scale"]
+    if "raw_scale" in params:
+        raw = params["raw_scale"]
+    else:
+        hidden = jnp.tanh(_linear(params["scale_hidden"], jax.lax.stop_gradient(features)))
+        raw = _linear(params["scale_out"], hidden)
+    return loc, state["min_scale"] + jax.nn.softplus(raw)
+
+
+def head_distribution(
+    params: dict,
+    state: dict,
+    features: jax.Array,
+    k: jax.Array,
+    *,
+    validate_args: bool | None = None,
+) -> LinearConstrainedNormal:
+    """The predictive distribution of the outputs in their own units: batch shape
+    ``features.shape[:-1]`` broadcast with ``k.shape[:-1]``, event shape (n,); its scale
+    includes the calibration factor ``state["scale_factor"]``.
+
+    Examples
+    --------
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> from numpyro_constrained import LinearConstraint
+    >>> from numpyro_constrained.nn import head_distribution, init_head
+    >>> constraint = LinearConstraint(jnp.array([[1.0, 1.0, 1.0]]))  # y1 + y2 + y3 = k
+    >>> params, state = init_head(jax.random.PRNGKey(0), 4, constraint)
+    >>> features = jax.random.normal(jax.random.PRNGKey(1), (5, 4))
+    >>> k = jax.random.normal(jax.random.PRNGKey(2), (5, 1))
+    >>> prediction = head_distribution(params, state, features, k)
+    >>> prediction.batch_shape, prediction.event_shape
+    ((5,), (3,))
+    >>> bool(jnp.allclose(prediction.mean.sum(-1), k[:, 0], atol=1e-5))
+    True
+    """
+    loc, scale = head_parameters(params, state, features)
+    output_scale = state["output_scale"]
+    return state["constraint"].normal(
+        loc * output_scale,
+        scale * (state["scale_factor"] * output_scale),
+        k=k,
+        validate_args=validate_args,
+    )
+
+
+def calibrate_head(
+    params: dict, state: dict, features: jax.Array, k: jax.Array, target: jax.Array
+) -> dict:
+    """A copy of ``state`` whose ``scale_factor`` ``t`` maximises the likelihood of held-out
+    examples: for ``Sigma -> t^2 Sigma`` the log-density on the ``(n - a)``-dimensional
+    subspace changes as ``-(n - a) log t - M / (2 t^2)``, ``M = ||(y - mu_bar) / s||^2``
+    (``mu_bar`` does not depend on ``t``), so ``t^2 = sum M / (N (n - a))``.
+
+    Examples
+    --------
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> from numpyro_constrained import LinearConstraint
+    >>> from numpyro_constrained.nn import calibrate_head, head_distribution, init_head
+    >>> constraint = LinearConstraint(jnp.array([[1.0, 1.0, 1.0]]))  # y1 + y2 + y3 = k
+    >>> params, state = init_head(jax.random.PRNGKey(0), 4, constraint)
+    >>> features = jax.random.normal(jax.random.PRNGKey(1), (5, 4))
+    >>> k = jax.random.normal(jax.random.PRNGKey(2), (5, 1))
+    >>> target = constraint.project(jax.random.normal(jax.random.PRNGKey(3), (5, 3)), k)
+    >>> calibrated = calibrate_head(params, state, features, k, target)
+    >>> d = head_distribution(params, calibrated, features, k)
+    >>> m = (((target - d.mean) / d.scale) ** 2).sum(-1).mean()  # n - a = 2 on average now
+    >>> round(float(m), 3)
+    2.0
+    """
+    state = dict(state, scale_factor=jnp.ones_like(state["scale_factor"]))
+    dist = head_distribution(params, state, features, k)
+    mahalanobis = jnp.sum(jnp.square((target - dist.mean) / dist.scale), -1)
+    constraint = state["constraint"]
+    factor = jnp.sqrt(jnp.mean(mahalanobis) / (constraint.n - constraint.a))
+    return dict(state, scale_factor=factor.astype(state["scale_factor"].dtype))
+
+
+def head_loss(
+    params: dict,
+    state: dict,
+    features: jax.Array,
+    k: jax.Array,
+    target: jax.Array,
+    *,
+    loss: str = "mse+nll",
+    validate_args: bool | None = None,
+) -> jax.Array:
+    """The training loss, averaged over the batch (summed over the n outputs), in the
+    scaled coordinates ``y / output_scale`` (module docstring: which loss when).
+
+    ``"nll"`` is ``-log p(y / output_scale)``: it differs from the NLL in the outputs' own
+    units by a constant (the log-determinant of the scaling on the subspace).
+
+    Examples
+    --------
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> from numpyro_constrained import LinearConstraint
+    >>> from numpyro_constrained.nn import head_loss, init_head
+    >>> constraint = LinearConstraint(jnp.array([[1.0, 1.0, 1.0]]))  # y1 + y2 + y3 = k
+    >>> params, state = init_head(jax.random.PRNGKey(0), 4, constraint)
+    >>> features = jax.random.normal(jax.random.PRNGKey(1), (5, 4))
+    >>> k = jax.random.normal(jax.random.PRNGKey(2), (5, 1))
+    >>> target = constraint.project(jax.random.normal(jax.random.PRNGKey(3), (5, 3)), k)
+    >>> loss, grads = jax.value_and_grad(head_loss)(params, state, features, k, target)
+    >>> loss.shape, grads["mean"]["weight"].shape
+    ((), (3, 4))
+    """
+    if loss not in LOSSES:
+        raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
+    target = target / state["output_scale"]
+    loc, scale = head_parameters(params, state, features)
+    constraint = state["scaled_constraint"]
+
+    def normal(loc, scale):
+        return constraint.normal(loc, scale, k=k, validate_args=validate_args)
+
+    if loss == "mse+nll":
+        # The mean branch sees only squared error, the scale only likelihood (given loc).
+        nll = -normal(jax.lax.stop_gradient(loc), scale).log_prob(target)
+        per_example = jnp.sum(jnp.square(loc - target), -1) + nll
+    else:
+        dist = normal(loc, scale)
+        if loss == "nll":
+            per_example = -dist.log_prob(target)
+        elif loss == "expected_l2":
+            per_example = expected_l2_loss(dist, target)
+        elif loss == "expected_l1":
+            per_example = expected_l1_loss(dist, target)
+        else:
+            per_example = jnp.sum(jnp.square(dist.mean - target), -1)
+    return jnp.mean(per_example)

@@ -1,0 +1,87 @@
+"""The torch head and the JAX functions agree for identical weights and inputs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import numpyro_constrained
+import pyro_constrained
+from numpyro_constrained.nn import calibrate_head, head_distribution, head_loss, init_head
+from pyro_constrained.nn import LinearConstrainedNormalHead
+
+IN_FEATURES, N, A_ROWS, BATCH = 4, 5, 2, 3
+LOSSES = ("mse+nll", "nll", "mse", "expected_l2", "expected_l1")
+
+
+def _jax_params_from(head: LinearConstrainedNormalHead) -> dict:
+    def linear(layer):
+        return {
+            "weight": jnp.asarray(layer.weight.detach().numpy()),
+            "bias": jnp.asarray(layer.bias.detach().numpy()),
+        }
+
+    params = {"mean": linear(head.mean_layer)}
+    if head.scale_kind == "per_example":
+        params["scale_hidden"] = linear(head.scale_net[0])
+        params["scale_out"] = linear(head.scale_net[2])
+    else:
+        params["raw_scale"] = jnp.asarray(head.raw_scale.detach().numpy())
+    return params
+
+
+@pytest.mark.parametrize("scale", ["per_example", "per_output"])
+def test_torch_and_jax_heads_agree(scale):
+    rng = np.random.default_rng(0)
+    A = rng.normal(size=(A_ROWS, N))
+    features = rng.normal(size=(BATCH, IN_FEATURES))
+    k = rng.normal(size=(BATCH, A_ROWS))
+    raw = rng.normal(size=(BATCH, N))
+    target = raw + np.linalg.lstsq(A, (k - raw @ A.T).T, rcond=None)[0].T
+    output_loc = rng.normal(size=N)
+    output_scale = rng.uniform(0.5, 2.0, size=N)
+
+    torch.manual_seed(0)
+    head = LinearConstrainedNormalHead(
+        IN_FEATURES,
+        pyro_constrained.LinearConstraint(torch.tensor(A)),
+        scale=scale,
+        output_loc=torch.tensor(output_loc),
+        output_scale=torch.tensor(output_scale),
+    ).double()
+    with torch.no_grad():
+        for parameter in head.parameters():
+            parameter.add_(0.3 * torch.randn_like(parameter))
+    _, state = init_head(
+        jax.random.PRNGKey(0),
+        IN_FEATURES,
+        numpyro_constrained.LinearConstraint(jnp.asarray(A)),
+        scale=scale,
+        output_loc=output_loc,
+        output_scale=output_scale,
+        dtype=jnp.float64,
+    )
+    params = _jax_params_from(head)
+
+    t = {name: torch.tensor(x) for name, x in (("f", features), ("k", k), ("y", target))}
+    j = {name: jnp.asarray(x) for name, x in (("f", features), ("k", k), ("y", target))}
+    for name in LOSSES:
+        np.testing.assert_allclose(
+            float(head_loss(params, state, j["f"], j["k"], j["y"], loss=name)),
+            head.loss(t["f"], t["k"], t["y"], loss=name).item(),
+            rtol=1e-10,
+            err_msg=name,
+        )
+    factor = head.calibrate(t["f"], t["k"], t["y"])
+    state = calibrate_head(params, state, j["f"], j["k"], j["y"])
+    np.testing.assert_allclose(float(state["scale_factor"]), factor, rtol=1e-10)
+    torch_dist = head(t["f"], t["k"])
+    jax_dist = head_distribution(params, state, j["f"], j["k"])
+    np.testing.assert_allclose(jax_dist.mean, torch_dist.mean.detach().numpy(), rtol=1e-10)
+    np.testing.assert_allclose(
+        jax_dist.variance, torch_dist.variance.detach().numpy(), rtol=1e-9, atol=1e-14
+    )
+    np.testing.assert_allclose(
+        jax_dist.log_prob(j["y"]), torch_dist.log_prob(t["y"]).detach().numpy(), rtol=1e-10
+    )

@@ -1,0 +1,260 @@
+"""numpyro_constrained.nn (init_head / head_loss / head_distribution / calibrate_head)
+against independent references: SciPy's singular normal and quadrature (tests/oracles/
+linear_gaussian.py), the least-squares projection, a brute-force maximisation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.optimize
+
+from constrained_ppl.showcase.process_simulator import relative_violation, simulate
+from numpyro_constrained import LinearConstraint
+from numpyro_constrained.nn import (
+    calibrate_head,
+    head_distribution,
+    head_loss,
+    head_parameters,
+    init_head,
+)
+from tests.oracles import linear_gaussian as oracle
+
+IN_FEATURES, N, A_ROWS, BATCH = 4, 5, 2, 3
+LOSSES = ("mse+nll", "nll", "mse", "expected_l2", "expected_l1")
+
+
+def _problem(dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    A = rng.normal(size=(A_ROWS, N))
+    k = rng.normal(size=(BATCH, A_ROWS))
+    raw = rng.normal(size=(BATCH, N)) * 3 + 2
+    target = raw + np.linalg.lstsq(A, (k - raw @ A.T).T, rcond=None)[0].T
+    return {
+        "A": A,
+        "features": jnp.asarray(rng.normal(size=(BATCH, IN_FEATURES)), dtype),
+        "k": jnp.asarray(k, dtype),
+        "target": jnp.asarray(target, dtype),
+        "output_loc": jnp.asarray(rng.normal(size=N), dtype),
+        "output_scale": jnp.asarray(rng.uniform(0.5, 3.0, size=N), dtype),
+        "constraint": LinearConstraint(jnp.asarray(A, dtype)),
+    }
+
+
+def _head(p, dtype, *, scale="per_example", seed=0, perturb=True):
+    params, state = init_head(
+        jax.random.PRNGKey(seed),
+        IN_FEATURES,
+        p["constraint"],
+        scale=scale,
+        output_loc=p["output_loc"],
+        output_scale=p["output_scale"],
+        dtype=dtype,
+    )
+    if perturb:
+        # Off the initialisation, so that scales differ between outputs and examples.
+        # (NumPy noise: jax.random would compile a sampler for every parameter shape.)
+        rng = np.random.default_rng(seed + 1)
+        params = jax.tree_util.tree_map(
+            lambda leaf: leaf + jnp.asarray(0.3 * rng.normal(size=leaf.shape), dtype), params
+        )
+    return params, state
+
+
+# Three of the four combinations: each new (dtype, scale) pair costs JAX several seconds of
+# compilation, and float64 with a per-example scale is covered by the loss and agreement tests.
+@pytest.mark.parametrize(
+    "dtype, scale",
+    [(jnp.float32, "per_example"), (jnp.float32, "per_output"), (jnp.float64, "per_output")],
+)
+def test_shapes_and_constraint_per_example(dtype, scale):
+    p = _problem(dtype)
+    params, state = _head(p, dtype, scale=scale)
+    dist = head_distribution(params, state, p["features"], p["k"])
+    assert dist.batch_shape == (BATCH,) and dist.event_shape == (N,)
+    assert dist.mean.dtype == dtype
+    wide = head_distribution(
+        params, state, jnp.broadcast_to(p["features"], (2, BATCH, IN_FEATURES)), p["k"]
+    )
+    assert wide.batch_shape == (2, BATCH)
+    eps = jnp.finfo(dtype).eps
+    samples = dist.sample(jax.random.PRNGKey(3), (7,))
+    for values in (dist.mean, samples):
+        values = np.asarray(values, np.float64)
+        k = np.asarray(p["k"], np.float64)
+        residual = np.abs(values @ p["A"].T - k)
+        bound = np.abs(values) @ np.abs(p["A"]).T + np.abs(k)
+        assert (residual <= 64 * eps * bound).all()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize("scale", ["per_example", "per_output"])
+def test_losses_equal_references(dtype, scale):
+    p = _problem(dtype, seed=1)
+    params, state = _head(p, dtype, scale=scale)
+    loc, s = head_parameters(params, state, p["features"])
+    loc = np.asarray(loc, np.float64)
+    s = np.broadcast_to(np.asarray(s, np.float64), loc.shape)
+    output_scale = np.asarray(p["output_scale"], np.float64)
+    A_scaled = p["A"] * output_scale
+    k = np.asarray(p["k"], np.float64)
+    target = np.asarray(p["target"], np.float64) / output_scale
+    covs = [np.diag(s[i] ** 2) for i in range(BATCH)]
+    nll = np.array([-oracle.logpdf(target[i], loc[i], covs[i], A_scaled, k[i]) for i in range(3)])
+    means = [oracle.conditional_moments(loc[i], covs[i], A_scaled, k[i])[0] for i in range(3)]
+    expected = [
+        oracle.expected_losses(loc[i], covs[i], A_scaled, k[i], target[i]) for i in range(3)
+    ]
+    references = {
+        "nll": nll.mean(),
+        "mse+nll": (np.sum((loc - target) ** 2, -1) + nll).mean(),
+        "mse": np.mean([np.sum((means[i] - target[i]) ** 2) for i in range(BATCH)]),
+        "expected_l1": np.mean([e[0] for e in expected]),
+        "expected_l2": np.mean([e[1] for e in expected]),
+    }
+    # float64: the quadrature of the expected L1 loss is good to about 1e-8.
+    rtol = 2e-4 if dtype == jnp.float32 else 1e-7
+    # Under jit (the state's LinearConstraint is a pytree argument) the default loss agrees.
+    jitted = jax.jit(head_loss)(params, state, p["features"], p["k"], p["target"])
+    np.testing.assert_allclose(float(jitted), references["mse+nll"], rtol=rtol)
+    for name in LOSSES:
+        value = head_loss(params, state, p["features"], p["k"], p["target"], loss=name)
+        assert value.dtype == dtype
+        np.testing.assert_allclose(float(value), references[name], rtol=rtol, err_msg=name)
+
+
+def test_projected_mean_of_a_constant_scale_is_the_least_squares_projection():
+    p = _problem(jnp.float64, seed=3)
+    params, state = _head(p, jnp.float64, scale="per_output", perturb=False)
+    loc, _ = head_parameters(params, state, p["features"])
+    loc = np.asarray(loc)
+    output_scale = np.asarray(p["output_scale"])
+    A_scaled = p["A"] * output_scale
+    k = np.asarray(p["k"])
+    projected = loc + np.linalg.lstsq(A_scaled, (k - loc @ A_scaled.T).T, rcond=None)[0].T
+    target = np.asarray(p["target"]) / output_scale
+    reference = np.mean(np.sum((projected - target) ** 2, -1))
+    value = head_loss(params, state, p["features"], p["k"], p["target"], loss="mse")
+    np.testing.assert_allclose(float(value), reference, rtol=1e-10)
+    mean = head_distribution(params, state, p["features"], p["k"]).mean
+    np.testing.assert_allclose(np.asarray(mean), projected * output_scale, rtol=1e-10)
+
+
+@pytest.mark.parametrize("scale", ["per_example", "per_output"])
+def test_scale_floor_holds_when_the_loss_collapses_the_scale(scale):
+    """loc = the on-subspace target makes the expected L2 loss tr Sigma_bar alone (minimised
+    by scale -> 0); gradient steps on the scale's parameters stop at the floor."""
+    p = _problem(jnp.float64, seed=4)
+    params, state = _head(p, jnp.float64, scale=scale)
+    target = (p["target"] - p["output_loc"]) / p["output_scale"]
+    design = jnp.concatenate([p["features"], jnp.ones((BATCH, 1))], -1)
+    solution = jnp.linalg.lstsq(design, target)[0]
+    mean_layer = {"weight": solution[:-1].T, "bias": solution[-1]}
+    scale_params = {key: value for key, value in params.items() if key != "mean"}
+
+    def loss(scale_params):
+        full = dict(scale_params, mean=mean_layer)
+        return head_loss(full, state, p["features"], p["k"], p["target"], loss="expected_l2")
+
+    @jax.jit
+    def step(scale_params):
+        # Sign-of-gradient steps (Adam's limit): the gradient shrinks with the scale.
+        grads = jax.grad(loss)(scale_params)
+        return jax.tree_util.tree_map(lambda q, g: q - 0.2 * jnp.sign(g), scale_params, grads)
+
+    for _ in range(300):
+        scale_params = step(scale_params)
+    full = dict(scale_params, mean=mean_layer)
+    dist = head_distribution(full, state, p["features"], p["k"])
+    scale_in_units = np.asarray(jnp.broadcast_to(dist.scale, (BATCH, N)) / p["output_scale"])
+    min_scale = float(state["min_scale"])
+    assert (scale_in_units >= min_scale * (1 - 1e-12)).all()
+    assert (scale_in_units <= 1.05 * min_scale).all()
+
+
+def test_mse_plus_nll_separates_the_gradients():
+    """Default loss: the features get the gradient of ||loc - y||^2 alone, the scale
+    branch that of the NLL alone."""
+    p = _problem(jnp.float64, seed=5)
+    params, state = _head(p, jnp.float64)
+    target = p["target"] / p["output_scale"]
+
+    def total(params, features):
+        return head_loss(params, state, features, p["k"], p["target"])
+
+    def squared_error(features):
+        loc, _ = head_parameters(params, state, features)
+        return jnp.mean(jnp.sum(jnp.square(loc - target), -1))
+
+    def nll(scale_params):
+        loc, s = head_parameters(dict(params, **scale_params), state, p["features"])
+        dist = state["scaled_constraint"].normal(jax.lax.stop_gradient(loc), s, k=p["k"])
+        return -jnp.mean(dist.log_prob(target))
+
+    grad_params, grad_features = jax.grad(total, argnums=(0, 1))(params, p["features"])
+    np.testing.assert_allclose(grad_features, jax.grad(squared_error)(p["features"]), rtol=1e-12)
+    scale_params = {key: params[key] for key in ("scale_hidden", "scale_out")}
+    reference = jax.grad(nll)(scale_params)
+    for key in scale_params:
+        for leaf in ("weight", "bias"):
+            np.testing.assert_allclose(
+                grad_params[key][leaf], reference[key][leaf], rtol=1e-10, atol=1e-14
+            )
+
+
+def test_calibrate_maximises_the_held_out_likelihood():
+    p = _problem(jnp.float64, seed=6)
+    params, state = _head(p, jnp.float64)
+
+    def negative_log_likelihood(factor):
+        scaled = dict(state, scale_factor=jnp.asarray(factor))
+        dist = head_distribution(params, scaled, p["features"], p["k"])
+        return -float(jnp.sum(dist.log_prob(p["target"])))
+
+    best = scipy.optimize.minimize_scalar(
+        negative_log_likelihood, bounds=(1e-3, 1e3), method="bounded", options={"xatol": 1e-10}
+    ).x
+    calibrated = calibrate_head(params, state, p["features"], p["k"], p["target"])
+    np.testing.assert_allclose(float(calibrated["scale_factor"]), best, rtol=1e-6)
+    before = head_distribution(params, state, p["features"], p["k"]).mean
+    after = head_distribution(params, calibrated, p["features"], p["k"]).mean
+    np.testing.assert_allclose(after, before, rtol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_plant_data_rounded_to_seven_digits_is_in_the_support_with_rtol(dtype):
+    data = simulate(np.random.default_rng(0), 60)
+    assert relative_violation(data["A"], data["y"], data["k"]).max() > 1e-7
+    constraint = LinearConstraint(jnp.asarray(data["A"], dtype), rtol=1e-6)
+    params, state = init_head(
+        jax.random.PRNGKey(0),
+        6,
+        constraint,
+        output_loc=data["y"].mean(0),
+        output_scale=data["y"].std(0),
+        dtype=dtype,
+    )
+    features = jnp.asarray((data["x"] - data["x"].mean(0)) / data["x"].std(0), dtype)
+    k, y = jnp.asarray(data["k"], dtype), jnp.asarray(data["y"], dtype)
+    for name in LOSSES:
+        assert jnp.isfinite(head_loss(params, state, features, k, y, loss=name))
+    assert jnp.isfinite(head_distribution(params, state, features, k).log_prob(y)).all()
+
+
+def test_bad_arguments_raise_value_error():
+    p = _problem(jnp.float64)
+    c, key = p["constraint"], jax.random.PRNGKey(0)
+    with pytest.raises(ValueError, match="scale"):
+        init_head(key, IN_FEATURES, c, scale="full")
+    with pytest.raises(ValueError, match="min_scale"):
+        init_head(key, IN_FEATURES, c, min_scale=-1.0)
+    with pytest.raises(ValueError, match="init_scale"):
+        init_head(key, IN_FEATURES, c, min_scale=0.5, init_scale=0.4)
+    with pytest.raises(ValueError, match="output_scale"):
+        init_head(key, IN_FEATURES, c, output_scale=np.zeros(N))
+    with pytest.raises(ValueError, match="output_loc"):
+        init_head(key, IN_FEATURES, c, output_loc=np.zeros(N + 2))
+    with pytest.raises(ValueError, match="LinearConstraint"):
+        init_head(key, IN_FEATURES, np.ones((1, N)))
+    params, state = init_head(key, IN_FEATURES, c, dtype=jnp.float64)
+    with pytest.raises(ValueError, match="loss"):
+        head_loss(params, state, p["features"], p["k"], p["target"], loss="mae")

@@ -1,0 +1,303 @@
+"""pyro_constrained.nn.LinearConstrainedNormalHead against independent references.
+
+References: SciPy's singular multivariate normal and quadrature (tests/oracles/
+linear_gaussian.py), the least-squares projection (np.linalg.lstsq), a brute-force
+one-dimensional maximisation for the calibration factor.
+"""
+
+import numpy as np
+import pytest
+import scipy.optimize
+import torch
+
+from constrained_ppl.showcase.process_simulator import relative_violation, simulate
+from pyro_constrained import LinearConstraint
+from pyro_constrained.nn import LinearConstrainedNormalHead
+from tests.oracles import linear_gaussian as oracle
+
+IN_FEATURES, N, A_ROWS, BATCH = 4, 5, 2, 3
+LOSSES = ("mse+nll", "nll", "mse", "expected_l2", "expected_l1")
+
+
+def _problem(dtype, seed=0):
+    """A random constraint, features, per-example k and targets on {A y = k}."""
+    rng = np.random.default_rng(seed)
+    A = rng.normal(size=(A_ROWS, N))
+    features = rng.normal(size=(BATCH, IN_FEATURES))
+    k = rng.normal(size=(BATCH, A_ROWS))
+    raw = rng.normal(size=(BATCH, N)) * 3 + 2
+    # Targets on the subspace: the minimum-norm correction of raw (float64 lstsq).
+    target = raw + np.linalg.lstsq(A, (k - raw @ A.T).T, rcond=None)[0].T
+    output_loc = rng.normal(size=N)
+    output_scale = rng.uniform(0.5, 3.0, size=N)
+    as_t = lambda x: torch.tensor(x, dtype=dtype)  # noqa: E731
+    return {
+        "A": A,
+        "features": as_t(features),
+        "k": as_t(k),
+        "target": as_t(target),
+        "output_loc": as_t(output_loc),
+        "output_scale": as_t(output_scale),
+        "constraint": LinearConstraint(as_t(A)),
+    }
+
+
+def _head(p, dtype, *, scale="per_example", loss="mse+nll", seed=0, perturb=True):
+    torch.manual_seed(seed)
+    head = LinearConstrainedNormalHead(
+        IN_FEATURES,
+        p["constraint"],
+        scale=scale,
+        loss=loss,
+        output_loc=p["output_loc"],
+        output_scale=p["output_scale"],
+    ).to(dtype)
+    if perturb:
+        # Move off the initialisation (zero output weights of the scale MLP, a constant
+        # per-output scale) so that the scales differ between outputs and examples.
+        with torch.no_grad():
+            for parameter in head.parameters():
+                parameter.add_(0.3 * torch.randn_like(parameter))
+    return head
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("scale", ["per_example", "per_output"])
+def test_shapes_and_constraint_per_example(dtype, scale):
+    p = _problem(dtype)
+    head = _head(p, dtype, scale=scale)
+    dist = head(p["features"], p["k"])
+    assert dist.batch_shape == (BATCH,) and dist.event_shape == (N,)
+    assert dist.mean.dtype == dtype
+    # Extra leading batch dimensions broadcast.
+    wide = head(p["features"].expand(2, BATCH, IN_FEATURES), p["k"])
+    assert wide.batch_shape == (2, BATCH)
+    eps = torch.finfo(dtype).eps
+    A = torch.tensor(p["A"], dtype=torch.float64)
+    for values in (dist.mean, dist.sample((7,))):
+        values = values.double()
+        residual = (values @ A.T - p["k"].double()).abs()
+        bound = values.abs() @ A.abs().T + p["k"].double().abs()
+        assert (residual <= 64 * eps * bound).all()
+    assert head.project(p["features"], p["k"]).shape == (BATCH, N)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("scale", ["per_example", "per_output"])
+def test_losses_equal_references(dtype, scale):
+    p = _problem(dtype, seed=1)
+    head = _head(p, dtype, scale=scale)
+    loc, s = head.scaled_parameters(p["features"])
+    loc, s = loc.detach().double().numpy(), s.detach().double().numpy()
+    s = np.broadcast_to(s, loc.shape)
+    output_scale = p["output_scale"].double().numpy()
+    A_scaled = p["A"] * output_scale
+    k = p["k"].double().numpy()
+    target = p["target"].double().numpy() / output_scale
+    nll = np.array(
+        [
+            -oracle.logpdf(target[i], loc[i], np.diag(s[i] ** 2), A_scaled, k[i])
+            for i in range(BATCH)
+        ]
+    )
+    moments = [
+        oracle.conditional_moments(loc[i], np.diag(s[i] ** 2), A_scaled, k[i]) for i in range(BATCH)
+    ]
+    mse = np.array([np.sum((moments[i][0] - target[i]) ** 2) for i in range(BATCH)])
+    expected = [
+        oracle.expected_losses(loc[i], np.diag(s[i] ** 2), A_scaled, k[i], target[i])
+        for i in range(BATCH)
+    ]
+    references = {
+        "nll": nll.mean(),
+        "mse+nll": (np.sum((loc - target) ** 2, -1) + nll).mean(),
+        "mse": mse.mean(),
+        "expected_l1": np.mean([e[0] for e in expected]),
+        "expected_l2": np.mean([e[1] for e in expected]),
+    }
+    # float64: the quadrature of the expected L1 loss is good to about 1e-8.
+    rtol = 2e-4 if dtype == torch.float32 else 1e-7
+    for name in LOSSES:
+        value = head.loss(p["features"], p["k"], p["target"], loss=name)
+        assert value.dtype == dtype
+        np.testing.assert_allclose(value.item(), references[name], rtol=rtol, err_msg=name)
+    # The loss chosen at construction is the default of loss().
+    nll_head = _head(p, dtype, scale=scale, loss="nll")
+    np.testing.assert_allclose(
+        nll_head.loss(p["features"], p["k"], p["target"]).item(), references["nll"], rtol=rtol
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_prediction_in_output_units_is_the_scaled_conditional(dtype):
+    """forward() is N(loc * output_scale, diag(s output_scale)^2) given A y = k: SciPy."""
+    p = _problem(dtype, seed=2)
+    head = _head(p, dtype)
+    dist = head(p["features"], p["k"])
+    loc, s = head.scaled_parameters(p["features"])
+    output_scale = p["output_scale"].double().numpy()
+    loc = loc.detach().double().numpy() * output_scale
+    s = s.detach().double().numpy() * output_scale
+    target = p["target"].double().numpy()
+    log_prob = dist.log_prob(p["target"]).detach().double().numpy()
+    for i in range(BATCH):
+        cov = np.diag(s[i] ** 2)
+        k_i = p["k"][i].double().numpy()
+        mean, covariance = oracle.conditional_moments(loc[i], cov, p["A"], k_i)
+        tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-9)
+        np.testing.assert_allclose(dist.mean[i].detach().double().numpy(), mean, **tol)
+        np.testing.assert_allclose(
+            dist.variance[i].detach().double().numpy(), np.diag(covariance), **tol
+        )
+        reference = oracle.logpdf(target[i], loc[i], cov, p["A"], k_i)
+        np.testing.assert_allclose(log_prob[i], reference, **tol)
+
+
+def test_projected_mean_of_a_constant_scale_is_the_least_squares_projection():
+    """With one scale for every output (a fresh per-output head) the conditional mean is the
+    Euclidean projection of loc: loc + the minimum-norm solution of A d = k - A loc."""
+    p = _problem(torch.float64, seed=3)
+    head = _head(p, torch.float64, scale="per_output", perturb=False)
+    loc, _ = head.scaled_parameters(p["features"])
+    loc = loc.detach().numpy()
+    output_scale = p["output_scale"].numpy()
+    A_scaled = p["A"] * output_scale
+    k = p["k"].numpy()
+    projected = loc + np.linalg.lstsq(A_scaled, (k - loc @ A_scaled.T).T, rcond=None)[0].T
+    target = p["target"].numpy() / output_scale
+    reference = np.mean(np.sum((projected - target) ** 2, -1))
+    value = head.loss(p["features"], p["k"], p["target"], loss="mse").item()
+    np.testing.assert_allclose(value, reference, rtol=1e-10)
+    np.testing.assert_allclose(
+        head.project(p["features"], p["k"]).detach().numpy(), projected * output_scale, rtol=1e-10
+    )
+
+
+@pytest.mark.parametrize("scale", ["per_example", "per_output"])
+def test_scale_floor_holds_when_the_loss_collapses_the_scale(scale):
+    """With loc equal to the (on-subspace) target, mu_bar = target whatever the scale, and
+    the expected L2 loss is tr Sigma_bar alone, minimised by scale -> 0: trained on it, the
+    scale goes down to the floor min_scale * output_scale and stays there."""
+    p = _problem(torch.float64, seed=4)
+    head = _head(p, torch.float64, scale=scale, loss="expected_l2")
+    # The mean layer interpolates the three scaled targets exactly (4 features > 3 examples).
+    target = p["target"] / p["output_scale"] - p["output_loc"] / p["output_scale"]
+    ones = torch.ones(BATCH, 1, dtype=torch.float64)
+    solution = torch.linalg.lstsq(torch.cat([p["features"], ones], -1), target).solution
+    with torch.no_grad():
+        head.mean_layer.weight.copy_(solution[:-1].T)
+        head.mean_layer.bias.copy_(solution[-1])
+    head.mean_layer.requires_grad_(False)
+    # A short second-moment memory: the gradient shrinks like the scale itself, and Adam's
+    # default memory of the early, large gradients would slow the descent to a crawl.
+    trainable = [q for q in head.parameters() if q.requires_grad]
+    optimiser = torch.optim.Adam(trainable, lr=0.2, betas=(0.9, 0.9))
+    for _ in range(300):
+        optimiser.zero_grad()
+        head.loss(p["features"], p["k"], p["target"]).backward()
+        optimiser.step()
+    scale_in_units = head(p["features"], p["k"]).scale / p["output_scale"]
+    assert (scale_in_units >= head.min_scale * (1 - 1e-12)).all()
+    # It did collapse onto the floor (so the floor is what held it).
+    assert (scale_in_units <= 1.05 * head.min_scale).all()
+
+
+def test_mse_plus_nll_trains_the_mean_by_squared_error_and_the_scale_by_likelihood():
+    """In the default loss the features (the mean branch's input) get the gradient of the
+    squared error of loc alone, and the scale branch the gradient of the NLL alone."""
+    p = _problem(torch.float64, seed=5)
+    head = _head(p, torch.float64)
+    features = p["features"].clone().requires_grad_(True)
+    target = p["target"] / p["output_scale"]
+    loss = head.loss(features, p["k"], p["target"])
+    grad_features, *grad_scale = torch.autograd.grad(loss, [features, *head.scale_net.parameters()])
+    loc, s = head.scaled_parameters(features)
+    squared_error = (loc - target).square().sum(-1).mean()
+    (reference_features,) = torch.autograd.grad(squared_error, [features])
+    np.testing.assert_allclose(grad_features.numpy(), reference_features.numpy(), rtol=1e-12)
+    nll = -head.scaled_constraint.normal(loc.detach(), s, k=p["k"]).log_prob(target).mean()
+    reference_scale = torch.autograd.grad(nll, list(head.scale_net.parameters()))
+    for got, want in zip(grad_scale, reference_scale, strict=True):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-10, atol=1e-14)
+
+
+def test_calibrate_maximises_the_held_out_likelihood():
+    p = _problem(torch.float64, seed=6)
+    head = _head(p, torch.float64)
+    mean_before = head(p["features"], p["k"]).mean.detach().clone()
+
+    def negative_log_likelihood(factor):
+        head.scale_factor.fill_(factor)
+        return -head(p["features"], p["k"]).log_prob(p["target"]).sum().item()
+
+    best = scipy.optimize.minimize_scalar(
+        negative_log_likelihood, bounds=(1e-3, 1e3), method="bounded", options={"xatol": 1e-10}
+    ).x
+    factor = head.calibrate(p["features"], p["k"], p["target"])
+    np.testing.assert_allclose(factor, best, rtol=1e-6)
+    assert head.scale_factor.item() == pytest.approx(factor)
+    # The point prediction does not move; the scale is multiplied by the factor.
+    dist = head(p["features"], p["k"])
+    np.testing.assert_allclose(dist.mean.detach().numpy(), mean_before.numpy(), rtol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_plant_data_rounded_to_seven_digits_is_in_the_support_with_rtol(dtype):
+    """Simulated plant data (balances exact, then rounded to 7 significant digits) is off
+    its balances by up to ~4e-7 relative: in the support with rtol=1e-6, for a head whose
+    losses work in scaled coordinates (scaling keeps the relative residual)."""
+    data = simulate(np.random.default_rng(0), 60)
+    assert relative_violation(data["A"], data["y"], data["k"]).max() > 1e-7
+    as_t = lambda x: torch.tensor(x, dtype=dtype)  # noqa: E731
+    constraint = LinearConstraint(as_t(data["A"]), rtol=1e-6)
+    head = LinearConstrainedNormalHead(
+        6,
+        constraint,
+        output_loc=as_t(data["y"].mean(0)),
+        output_scale=as_t(data["y"].std(0)),
+    ).to(dtype)
+    features = as_t((data["x"] - data["x"].mean(0)) / data["x"].std(0))
+    k, y = as_t(data["k"]), as_t(data["y"])
+    for name in LOSSES:
+        assert torch.isfinite(head.loss(features, k, y, loss=name))
+    assert torch.isfinite(head(features, k).log_prob(y)).all()
+    if dtype == torch.float64:
+        # The default tolerance (64 eps) rejects the same data in float64.
+        strict = LinearConstrainedNormalHead(6, LinearConstraint(as_t(data["A"]))).to(dtype)
+        with pytest.raises(ValueError, match="rtol"):
+            strict(features, k).log_prob(y)
+
+
+def test_bad_arguments_raise_value_error():
+    p = _problem(torch.float64)
+    c = p["constraint"]
+    with pytest.raises(ValueError, match="loss"):
+        LinearConstrainedNormalHead(IN_FEATURES, c, loss="l2")
+    with pytest.raises(ValueError, match="scale"):
+        LinearConstrainedNormalHead(IN_FEATURES, c, scale="full")
+    with pytest.raises(ValueError, match="min_scale"):
+        LinearConstrainedNormalHead(IN_FEATURES, c, min_scale=0.0)
+    with pytest.raises(ValueError, match="init_scale"):
+        LinearConstrainedNormalHead(IN_FEATURES, c, min_scale=0.5, init_scale=0.5)
+    with pytest.raises(ValueError, match="output_scale"):
+        LinearConstrainedNormalHead(IN_FEATURES, c, output_scale=-torch.ones(N))
+    with pytest.raises(ValueError, match="output_loc"):
+        LinearConstrainedNormalHead(IN_FEATURES, c, output_loc=torch.zeros(N + 1))
+    with pytest.raises(ValueError, match="LinearConstraint"):
+        LinearConstrainedNormalHead(IN_FEATURES, torch.ones(1, N))
+    head = LinearConstrainedNormalHead(IN_FEATURES, c).double()
+    with pytest.raises(ValueError, match="loss"):
+        head.loss(p["features"], p["k"], p["target"], loss="mae")
+
+
+def test_dtype_conversion_converts_the_constraints():
+    """head.double() / .float() move the cached constraints with the parameters."""
+    p = _problem(torch.float32, seed=7)
+    head = _head(p, torch.float32).double()
+    assert head.constraint.A.dtype == torch.float64
+    assert head.scaled_constraint.A.dtype == torch.float64
+    features, k = p["features"].double(), p["k"].double()
+    assert head(features, k).mean.dtype == torch.float64
+    head = head.float()
+    assert head.scaled_constraint.A.dtype == torch.float32
+    assert head(p["features"], p["k"]).mean.dtype == torch.float32
