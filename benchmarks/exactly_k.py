@@ -14,6 +14,7 @@ in milliseconds, all measured in this one run; ratios are taken within it):
   enumeration| at n = 12.
 
 The reference DP costs O(n) sequential steps; at n = 10000 it runs once (no repeats).
+``--device cuda`` runs both packages on the accelerator (``benchmarks/devices.py``).
 
 ``--scaling [options]`` runs ``benchmarks.exactly_k_scaling`` instead: n up to 1e7, k up to
 n/2, peak memory, log-log slopes and JAX compile times, against the previous kernels
@@ -33,6 +34,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks import devices  # noqa: E402
 from benchmarks import exactly_k_reference as reference  # noqa: E402
 from numpyro_constrained import exactly_k_kernels as jax_kernels  # noqa: E402
 from pyro_constrained import exactly_k_kernels as torch_kernels  # noqa: E402
@@ -44,10 +46,12 @@ torch.set_num_threads(1)
 def best_time(function, repeats: int) -> float:
     """Best wall time of ``repeats`` calls, in ms (after one warm-up call: JIT compilation)."""
     function()
+    devices.synchronize()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         function()
+        devices.synchronize()
         best = min(best, time.perf_counter() - start)
     return 1e3 * best
 
@@ -86,7 +90,8 @@ def jax_cases(logits: np.ndarray, k: int, dtype):
 def marginals_of(package: str, logits: np.ndarray, ks: np.ndarray, dtype) -> np.ndarray:
     n = logits.shape[-1]
     if package == "torch":
-        return torch_kernels.marginals(torch.tensor(logits, dtype=dtype), torch.tensor(ks), n)
+        mu = torch_kernels.marginals(torch.tensor(logits, dtype=dtype), torch.tensor(ks), n)
+        return mu.cpu().numpy()
     return np.asarray(jax_kernels.marginals(jnp.asarray(logits, dtype), jnp.asarray(ks), n))
 
 
@@ -125,15 +130,20 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,float64")
     parser.add_argument("--sizes", default=None, help="comma-separated n (default 100,1000,10000)")
     parser.add_argument("--no-accuracy", action="store_true")
+    devices.add_device_argument(parser)
     args = parser.parse_args()
+    packages = devices.use_device(args.device, args.packages.split(","))
     sizes = [100, 1000] if args.quick else [100, 1000, 10000]
     if args.sizes:
         sizes = [int(size) for size in args.sizes.split(",")]
     batch = 64 if args.quick else 256
     repeats = 2 if args.quick else 5
     rng = np.random.default_rng(0)
-    print(f"batch {batch}, best of {repeats} repeats (reference at n = 10000: 1 run), ms\n")
-    for package in args.packages.split(","):
+    print(
+        f"batch {batch}, best of {repeats} repeats (reference at n = 10000: 1 run), ms, "
+        f"{devices.describe(args.device)}\n"
+    )
+    for package in packages:
         for dtype_name in args.dtypes.split(","):
             dtype = getattr(torch if package == "torch" else np, dtype_name)
             print(f"### {package}, {dtype_name}\n")
@@ -178,7 +188,7 @@ def main() -> None:
         "| max abs float64 - enumeration (n = 12) |"
     )
     print("|---|---|---|---|")
-    for package in args.packages.split(","):
+    for package in packages:
         for n in [300, 1000]:
             diff32, diff_enum = accuracy(package, n, rng)
             print(f"| {package} | {n} | {diff32:.1e} | {diff_enum:.1e} |", flush=True)

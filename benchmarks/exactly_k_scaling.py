@@ -19,6 +19,9 @@ Then JAX compile times: the first call (trace + compile + run) and the compile a
 previous ones (the distribution's ``kernels`` module swapped), and the number of
 compilations of eager ``marginals`` calls over 10 sizes n = 1000..1900.
 
+``--device cuda`` runs both packages on the accelerator (torch's CUDA device, JAX's GPU
+backend; ``benchmarks/devices.py``), memory then being CUDA's peak allocation for torch.
+
 A k series stops growing n once one of its cases took more than ``--stop-after`` seconds,
 and k > 10 stops above ``--max-n-large-k`` (default 1e6; the output says where). Other
 processes share the machine: compare ratios within one run.
@@ -39,6 +42,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks import devices  # noqa: E402
 from numpyro_constrained import exactly_k_bernoulli as numpyro_module  # noqa: E402
 from numpyro_constrained import exactly_k_kernels as jax_kernels  # noqa: E402
 from pyro_constrained import exactly_k_kernels as torch_kernels  # noqa: E402
@@ -90,12 +94,15 @@ def load_previous_kernels(revision: str) -> dict[str, ModuleType]:
 
 
 def best_time(function, repeats: int) -> float:
-    """Best wall time of ``repeats`` calls, in seconds, after one warm-up call."""
+    """Best wall time of ``repeats`` calls, in seconds, after one warm-up call (queued CUDA
+    work finished inside each timing)."""
     function()
+    devices.synchronize()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         function()
+        devices.synchronize()
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -125,7 +132,15 @@ def calls(package: str, kernels, logits: np.ndarray, k: int, dtype):
 
 
 def torch_peak_bytes(function) -> float:
-    """Growth of the peak resident set while a forked child runs ``function`` once."""
+    """Growth of the peak resident set while a forked child runs ``function`` once; on CUDA,
+    the peak of CUDA memory allocated while it runs (a CUDA context cannot be forked)."""
+    if torch.get_default_device().type == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        function()
+        torch.cuda.synchronize()
+        return float(torch.cuda.max_memory_allocated() - before)
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: measure and report, then leave without cleanup
@@ -182,12 +197,12 @@ def slope(points: list[tuple[int, float]]) -> float:
 def scaling_tables(args, previous_kernels) -> None:
     rng = np.random.default_rng(0)
     sizes = [n for n in (1000, 10000, 100000, 1000000, 10000000) if n <= args.max_n]
-    for package in args.packages.split(","):
+    for package in args.packages:
         previous = previous_kernels.get(package)
         new = torch_kernels if package == "torch" else jax_kernels
         for dtype_name in args.dtypes.split(","):
             dtype = getattr(torch if package == "torch" else jnp, dtype_name)
-            print(f"### {package}, {dtype_name} (batch 1, seconds)\n")
+            print(f"### {package}, {dtype_name} (batch 1, seconds, {args.device_name})\n")
             print(
                 "| n | k | marginals | previous | previous / new | sample | previous "
                 "| previous / new | peak memory (marginals) | sample / marginals |"
@@ -264,7 +279,10 @@ def compile_tables(args, previous_kernels) -> None:
     rng = np.random.default_rng(1)
     previous_jax = previous_kernels.get("jax")
     versions = [("new", jax_kernels)] + ([("previous", previous_jax)] if previous_jax else [])
-    print("### JAX compile times (ExactlyKBernoulli, seconds; process CPU seconds in brackets)\n")
+    print(
+        "### JAX compile times (ExactlyKBernoulli, seconds; process CPU seconds in brackets; "
+        f"{args.device_name})\n"
+    )
     print(
         "| n | k | kernels | jit(log_prob): first call | compile (CPU) "
         "| jit(sample): first call | compile (CPU) |"
@@ -319,11 +337,14 @@ def main(argv=None) -> None:
     parser.add_argument("--stop-after", type=float, default=20.0)
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--only-compile", action="store_true")
+    devices.add_device_argument(parser)
     args = parser.parse_args(argv)
+    args.packages = devices.use_device(args.device, args.packages.split(","))
+    args.device_name = devices.describe(args.device)
     previous_kernels = load_previous_kernels(args.previous) if args.previous_limit > 0 else {}
     if not args.only_compile:
         scaling_tables(args, previous_kernels)
-    if not args.no_compile:
+    if not args.no_compile and "jax" in args.packages:
         compile_tables(args, previous_kernels)
 
 

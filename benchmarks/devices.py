@@ -1,0 +1,80 @@
+"""The ``--device`` option shared by the benchmarks: where torch and JAX run.
+
+``--device cpu`` (the default) changes nothing. ``--device cuda`` (or ``gpu``) makes the
+accelerator the default device of both frameworks before any array is made: torch through
+``torch.set_default_device`` (every factory call without a ``device``, ``torch.tensor`` of a
+NumPy array included, then allocates there), JAX through the ``jax_default_device`` option
+(its first GPU). A package whose framework has no such device is skipped with a message
+rather than silently timed on the CPU. Timers call ``synchronize`` so that they measure
+finished work: CUDA kernels run asynchronously, and JAX's are awaited by
+``block_until_ready`` in the benchmarks themselves.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import torch
+
+ACCELERATOR_NAMES = ("cuda", "gpu")
+
+
+def add_device_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu",) + ACCELERATOR_NAMES,
+        help="cpu (default), or cuda / gpu: torch's CUDA device and JAX's GPU backend",
+    )
+
+
+def jax_accelerator():
+    """JAX's first GPU device, or None (a CPU-only jaxlib has no GPU backend at all)."""
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError:
+        return None
+    return devices[0] if devices else None
+
+
+def use_device(device: str, packages) -> list[str]:
+    """Make ``device`` the default of torch and JAX; return the packages that can run there
+    (those that cannot are reported and left out)."""
+    if device == "cpu":
+        return list(packages)
+    usable = []
+    for package in packages:
+        if package == "torch":
+            if torch.cuda.is_available():
+                torch.set_default_device("cuda")
+                usable.append(package)
+            else:
+                print("torch: no CUDA device; its tables are skipped\n")
+        else:
+            accelerator = jax_accelerator()
+            if accelerator is not None:
+                jax.config.update("jax_default_device", accelerator)
+                usable.append(package)
+            else:
+                print("jax: no GPU backend; its tables are skipped\n")
+    return usable
+
+
+def synchronize() -> None:
+    """Wait for queued CUDA work (no-op on the CPU)."""
+    if torch.cuda.is_available() and torch.get_default_device().type == "cuda":
+        torch.cuda.synchronize()
+
+
+def describe(device: str) -> str:
+    """The device as the tables' headers state it."""
+    if device == "cpu":
+        return "CPU"
+    names = []
+    if torch.cuda.is_available():
+        names.append(f"torch: {torch.cuda.get_device_name()}")
+    accelerator = jax_accelerator()
+    if accelerator is not None:
+        names.append(f"jax: {accelerator.device_kind}")
+    return ", ".join(names) or "no accelerator"
