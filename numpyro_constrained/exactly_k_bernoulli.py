@@ -425,10 +425,10 @@ class ExactlyKBernoulli(Distribution):
                 "ExactlyKBernoulli.sample: the constraint is impossible for some batch element "
                 "(k outside 0..n, or infinite logits that rule out every k-hot vector)"
             )
-        z, free_mu = kernels.sample_and_marginals(
+        z = kernels.sample_straight_through(
             key, problem.logits, problem.k, self._table_size, tuple(sample_shape)
         )
-        return _straight_through(z, free_mu, self.logits, problem)
+        return _straight_through(z, self.logits, problem)
 
     def entropy(self) -> jax.Array:
         """``H = log e_k(exp theta) - theta . mu`` (over the finite logits), evaluated as a
@@ -626,11 +626,12 @@ def _complete_pair(free_mu, free_complement, logits, problem: _FreeProblem):
 
 
 @jax.jit
-def _straight_through(z, free_mu, logits, problem: _FreeProblem) -> jax.Array:
-    z = jnp.where(logits == jnp.inf, 1.0, lax.stop_gradient(z)).astype(logits.dtype)
-    mu = _complete(free_mu, logits, problem, 1.0, 0.0, 0.0)
-    z = z + (mu - lax.stop_gradient(mu))
-    return jnp.where(problem.infeasible[..., None], jnp.nan, z)
+def _straight_through(z, logits, problem: _FreeProblem) -> jax.Array:
+    """The draws of the full problem from those of the free one, which carry the free
+    marginals' derivative (``kernels.sample_straight_through``): forced variables are 1 or
+    0, and deterministic rows are their only k-hot vector, constants as their marginals
+    are."""
+    return _complete(z, logits, problem, 1.0, 0.0, 0.0)
 
 
 @jax.jit

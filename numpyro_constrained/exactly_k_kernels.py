@@ -78,6 +78,20 @@ directly (sums of positive products: every entry keeps its relative precision). 
 evaluated on the device, so each wide level is a ``lax.cond`` between the two (under
 ``vmap`` a ``cond`` becomes a select and both run).
 
+The rule is needed only for the marginals. Where only the root's entry k (the normaliser:
+``log_prob``, entropy and KL parts) or a draw is needed, the wide levels always go by FFT,
+and no ``lax.cond`` (whose two branches both compile) is built:
+
+* the tilt puts the tilted count's mean at k (to about 1e-4), and the mode of a
+  Poisson-binomial count lies within 1 of its mean (Darroch, 1964), at the integer mean
+  itself, so ``root[k]`` is the root's largest entry or within a small factor of it, at any
+  variance: errors relative to each table's largest entry are relative errors of it;
+* a draw picks each split with probability ``left[m] right[c - m]`` over their sum: an
+  absolute error of about eps in these probabilities (structurally impossible splits stay
+  exactly impossible: the bounds), which is the resolution of the uniform that picks the
+  split anyway (an inverse CDF cannot tell a probability below eps from zero). A draw is
+  exact in that sense, as on the direct path.
+
 Compile time is XLA's CPU code generation, about 15-20 ms of CPU per kernel (a fusion, a
 loop body, a conditional branch), and the tree is unrolled in Python because every level
 has a different shape (nodes halve, widths grow): 17 levels at n = 1e5, each a handful of
@@ -396,11 +410,11 @@ class _Level(NamedTuple):
     high: jax.Array | None = None
 
 
-def _upward(tables: jax.Array, k_max: int, fft: jax.Array | None):
+def _upward(tables: jax.Array, k_max: int, fft: jax.Array | bool | None):
     """Merge pairs of nodes until one is left. ``tables``: (batch, nodes, width).
-    ``fft``: None if no level is wide enough for the FFT path, else a boolean scalar:
-    whether the levels at least ``_FFT_WIDTH`` wide take it (``lax.cond``; the direct sums
-    otherwise)."""
+    ``fft``: None if no level is wide enough for the FFT path; True if the levels at least
+    ``_FFT_WIDTH`` wide take it; else a boolean scalar on the device: whether they take it
+    (``lax.cond``, the direct sums otherwise)."""
     levels = []
     log_scale = jnp.zeros(tables.shape[0], wide_dtype(tables.dtype))
     if fft is not None:
@@ -433,7 +447,10 @@ def _upward(tables: jax.Array, k_max: int, fft: jax.Array | None):
             def direct(left, right, out_width=out_width):
                 return _convolve(left, right, out_width)
 
-            merged = lax.cond(fft, by_fft, direct, left, right)
+            if fft is True:
+                merged = by_fft(left, right)
+            else:
+                merged = lax.cond(fft, by_fft, direct, left, right)
             levels.append(_Level(left, right, padded, *children))
         else:
             merged = _convolve(left, right, out_width)
@@ -471,7 +488,10 @@ def _downward(root_width: int, levels, k: jax.Array, dtype, fft) -> jax.Array:
             def direct(both, siblings, width=width):
                 return _correlate(both, siblings, width)
 
-            tables = lax.cond(fft, by_fft, direct, both, siblings)
+            if fft is True:
+                tables = by_fft(both, siblings)
+            else:
+                tables = lax.cond(fft, by_fft, direct, both, siblings)
         else:
             tables = _correlate(both, siblings, width)
         outside, _ = _rescale(tables)
@@ -481,26 +501,30 @@ def _downward(root_width: int, levels, k: jax.Array, dtype, fft) -> jax.Array:
     return outside
 
 
-def _prepare(logits: jax.Array, k: jax.Array, k_max: int):
+def _prepare(logits: jax.Array, k: jax.Array, k_max: int, for_marginals: bool):
     """Flattened tilted inputs, leaf weights, and the upward pass (``log_scale``: the sum of
-    the internal nodes' log factors, in the wide dtype)."""
+    the internal nodes' log factors, in the wide dtype). ``for_marginals``: whether the
+    tables will feed a downward pass (see ``_use_fft``)."""
     n = logits.shape[-1]
     flat_logits = logits.reshape(-1, n)
     flat_k = jnp.broadcast_to(jnp.asarray(k), logits.shape[:-1]).reshape(-1).astype(jnp.int32)
     c = tilt(flat_logits, flat_k)
     x = flat_logits + c
     weights, leaf_tables = _leaves(x, k_max)
-    fft = _use_fft(x, k_max)
+    fft = _use_fft(x, k_max, for_marginals)
     root, levels, log_scale = _upward(leaf_tables, k_max, fft)
     return flat_k, c[:, 0], weights, root, levels, log_scale, fft
 
 
-def _use_fft(x: jax.Array, k_max: int) -> jax.Array | None:
-    """None if no level can be ``_FFT_WIDTH`` wide; else whether the wide levels go by FFT:
-    every row's tilted count variance ``sum_i sigmoid(x_i) sigmoid(-x_i)`` is at least
-    ``_FFT_MIN_VARIANCE`` (see "FFT path" in the module docstring)."""
+def _use_fft(x: jax.Array, k_max: int, for_marginals: bool) -> jax.Array | bool | None:
+    """None if no level can be ``_FFT_WIDTH`` wide; True where only the root entry or a draw
+    is needed (``for_marginals`` false: see "FFT path" in the module docstring); else whether
+    the wide levels go by FFT, on the device: every row's tilted count variance
+    ``sum_i sigmoid(x_i) sigmoid(-x_i)`` is at least ``_FFT_MIN_VARIANCE``."""
     if min(k_max, 2 ** (x.shape[-1] - 1).bit_length()) + 1 < _FFT_WIDTH:
         return None
+    if not for_marginals:
+        return True
     x = lax.stop_gradient(x)
     variance = (jax.nn.sigmoid(x) * jax.nn.sigmoid(-x)).astype(wide_dtype(x.dtype)).sum(-1)
     return jnp.all(variance >= _FFT_MIN_VARIANCE)
@@ -596,7 +620,7 @@ def _normalizer_parts(logits: jax.Array, k: jax.Array, k_max: int) -> Normalizer
     logits = lax.stop_gradient(logits)
     if k_max == 0:
         return _zero_parts(logits)
-    flat_k, c, _, root, _, log_scale, _ = _prepare(logits, jnp.asarray(k), k_max)
+    flat_k, c, _, root, _, log_scale, _ = _prepare(logits, jnp.asarray(k), k_max, False)
     return _parts_from(logits, flat_k, c, root, log_scale)
 
 
@@ -717,7 +741,7 @@ def marginals(logits: jax.Array, k: jax.Array, k_max: int) -> jax.Array:
 def _marginals(logits: jax.Array, k: jax.Array, k_max: int) -> jax.Array:
     if k_max == 0:
         return jnp.zeros_like(logits)
-    flat_k, _, weights, root, levels, _, fft = _prepare(logits, jnp.asarray(k), k_max)
+    flat_k, _, weights, root, levels, _, fft = _prepare(logits, jnp.asarray(k), k_max, True)
     return _marginals_from(flat_k, weights, root, levels, fft).reshape(logits.shape)
 
 
@@ -735,7 +759,7 @@ def marginals_and_complements(
 def _marginals_and_complements(logits, k, k_max: int):
     if k_max == 0:
         return jnp.zeros_like(logits), jnp.ones_like(logits)
-    flat_k, _, weights, root, levels, _, fft = _prepare(logits, jnp.asarray(k), k_max)
+    flat_k, _, weights, root, levels, _, fft = _prepare(logits, jnp.asarray(k), k_max, True)
     mu, complement = _marginals_from(flat_k, weights, root, levels, fft, with_complements=True)
     return mu.reshape(logits.shape), complement.reshape(logits.shape)
 
@@ -807,7 +831,9 @@ def _sample_and_maybe_marginals(key, logits, k, k_max, sample_shape, with_margin
     num_samples = 1
     for size in sample_shape:
         num_samples *= size
-    flat_k, _, weights, root, levels, _, fft = _prepare(logits, jnp.asarray(k), k_max)
+    flat_k, _, weights, root, levels, _, fft = _prepare(
+        logits, jnp.asarray(k), k_max, with_marginals
+    )
     detached = [
         level._replace(left=lax.stop_gradient(level.left), right=lax.stop_gradient(level.right))
         for level in levels
@@ -833,6 +859,35 @@ def sample(
 def _sample(key, logits, k, k_max: int, sample_shape: tuple):
     logits = lax.stop_gradient(logits)
     return _sample_and_maybe_marginals(key, logits, k, k_max, sample_shape, False)[0]
+
+
+def sample_straight_through(
+    key: jax.Array, logits: jax.Array, k: jax.Array, k_max: int, sample_shape: tuple = ()
+) -> jax.Array:
+    """Exact draws (the values of ``sample``) whose derivative is that of ``marginals``,
+    broadcast over ``sample_shape``: the straight-through estimator ``z + mu -
+    stop_gradient(mu)`` as a ``custom_jvp``, so that a caller who does not differentiate
+    never computes the marginals (``jit`` of a sample compiles and runs the upward pass and
+    the draw only), and one who does gets both from one upward pass
+    (``sample_and_marginals``)."""
+    logits, k_max, n = _to_bucket(logits, k_max)
+    return _cut(_straight_through_sample(key, logits, k, k_max, tuple(sample_shape)), n)
+
+
+@partial(jax.custom_jvp, nondiff_argnums=(3, 4))
+def _straight_through_sample(key, logits, k, k_max: int, sample_shape: tuple):
+    return _sample(key, logits, k, k_max, sample_shape)
+
+
+@_straight_through_sample.defjvp
+def _straight_through_sample_jvp(k_max, sample_shape, primals, tangents):
+    key, logits, k = primals
+
+    def draw_and_marginals(logits):
+        return _sample_and_marginals(key, logits, k, k_max, sample_shape)
+
+    (z, _), (_, d_mu) = jax.jvp(draw_and_marginals, (logits,), (tangents[1],))
+    return z, jnp.broadcast_to(d_mu, z.shape)
 
 
 def sample_and_marginals(

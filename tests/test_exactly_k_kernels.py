@@ -342,7 +342,8 @@ def test_fft_path_matches_log_space_recursion_and_direct_path(framework, monkeyp
     for dtype in (np.float64, np.float32):
         x = logits.astype(dtype)
         tilted = x + np.asarray(module.tilt(_tensor(framework, x), _tensor(framework, ks)))
-        assert bool(module._use_fft(_tensor(framework, tilted), 512))  # the case under test
+        # the case under test (the JAX kernels also ask whether marginals are wanted)
+        assert bool(module._use_fft(_tensor(framework, tilted), 512, *_for_marginals(framework)))
     log_norm, mu = _run(framework, logits, ks, 512)
     log_norm32, mu32 = _run(framework, logits.astype(np.float32), ks, 512)
     direct_log_norm, direct_mu = _torch_direct(monkeypatch, logits, ks, 512)
@@ -366,6 +367,46 @@ def test_fft_path_matches_log_space_recursion_and_direct_path(framework, monkeyp
 
 def _tensor(framework, array):
     return torch.tensor(array) if framework == "torch" else jnp.asarray(array)
+
+
+def _for_marginals(framework):
+    return () if framework == "torch" else (True,)
+
+
+def test_jax_normalizer_and_draws_of_nearly_deterministic_rows_take_the_fft_path_exactly():
+    """Rows whose tilted count variance is far below 4 (logits +-30, and logits of size 20
+    to 50 of random sign, with k the number of positive ones): the JAX marginals keep the
+    direct sums there (the variance rule), but the normaliser and the draws go by FFT (no
+    ``lax.cond``, one branch to compile).
+    The normaliser still matches the log-space recursion to 1e-13 relative and the direct
+    path (torch, FFT off), and every draw is the row's only likely k-subset, as the
+    marginals of the direct path say (each off-mode marginal below 1e-10)."""
+    rng = np.random.default_rng(31)
+    n, k_max = 500, 512
+    alternating = np.where(np.arange(n) % 2 == 0, 30.0, -30.0)
+    spread = rng.normal(0.0, 1.0, size=n)
+    logits = np.stack([alternating, np.sign(spread) * (20.0 + 10.0 * np.abs(spread))])
+    ks = np.array([250, int((spread > 0).sum())])
+    x = jnp.asarray(logits)
+    tilted = x + jax_kernels.tilt(x, jnp.asarray(ks))
+    assert not bool(jax_kernels._use_fft(tilted, k_max, True))  # marginals: direct sums
+    assert jax_kernels._use_fft(tilted, k_max, False) is True  # normaliser, draws: FFT
+    parts = jax_kernels.normalizer_parts(x, jnp.asarray(ks), k_max)
+    log_norm = np.asarray(jax_kernels.log_normalizer_value(x, jnp.asarray(ks), parts))
+    for row, k in enumerate(ks):
+        expected = oracle.log_elementary_symmetric(logits[row], k)[k]
+        assert abs(log_norm[row] - expected) < 1e-13 * abs(expected)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch_kernels, "_FFT_WIDTH", 10**9)
+        patch.setattr(torch_kernels, "_FFT_WIDTH_FLOAT32", 10**9)
+        direct_log_norm, direct_mu = _run("torch", logits, ks, k_max)
+    np.testing.assert_allclose(log_norm, direct_log_norm, rtol=1e-14, atol=0)
+    mode = direct_mu > 0.5
+    assert np.all(np.where(mode, 1.0 - direct_mu, direct_mu) < 1e-10)
+    samples = np.asarray(
+        jax_kernels.sample(jax.random.PRNGKey(3), x, jnp.asarray(ks), k_max, (200,))
+    )
+    assert np.array_equal(samples, np.broadcast_to(mode, samples.shape).astype(float))
 
 
 @pytest.mark.parametrize("framework", ["torch", "jax"])
