@@ -1,4 +1,4 @@
-"""Numerical kernels of ExactlyKBernoulli (MATH.md section 1), JAX.
+"""Numerical kernels of ExactlyKBernoulli (docs/distributions/exactly_k_bernoulli.md), JAX.
 
 Pure functions of ``logits`` (shape ``batch + (n,)``, entries finite or ``-inf``), ``k``
 (integer array of shape ``batch``, ``0 <= k <= number of finite logits``) and ``k_max`` (a
@@ -95,10 +95,12 @@ and no ``lax.cond`` (whose two branches both compile) is built:
 Compile time is XLA's CPU code generation, about 15-20 ms of CPU per kernel (a fusion, a
 loop body, a conditional branch), and the tree is unrolled in Python because every level
 has a different shape (nodes halve, widths grow): 17 levels at n = 1e5, each a handful of
-kernels per pass, with both branches of every wide level's ``lax.cond`` compiled. The
-sampler therefore draws the splits of wide levels by an exponential race (one argmax per
-level) instead of an inverse CDF (a cumulative sum compiles into a tree of about a dozen
-kernels per level).
+kernels per pass, with both branches of every wide level's ``lax.cond`` compiled where
+marginals are computed. Hence three choices: the normaliser and the draws build no
+``lax.cond`` (above); a sample that is not differentiated computes no marginals
+(``sample_straight_through``); and the sampler draws the splits of wide levels by an
+exponential race (one argmax per level) instead of an inverse CDF (a cumulative sum
+compiles into a tree of about a dozen kernels per level).
 benchmarks/README.md ("JAX compile times") has the numbers and what a loop over levels
 would need.
 
@@ -282,7 +284,10 @@ def _convolve(left: jax.Array, right: jax.Array, width: int) -> jax.Array:
             out = out + lax.dynamic_slice_in_dim(left, a, 1, axis=-1) * shifted
         return out
 
-    return lax.fori_loop(0, steps, add_shifts, jnp.zeros(left.shape[:-1] + (width,), left.dtype))
+    zeros = jnp.zeros(left.shape[:-1] + (width,), left.dtype)
+    if steps == 1:  # no loop: a one-step while loop compiles (and differentiates) slowly
+        return add_shifts(0, zeros)
+    return lax.fori_loop(0, steps, add_shifts, zeros)
 
 
 def _correlate(outside: jax.Array, right: jax.Array, width: int) -> jax.Array:
@@ -308,6 +313,8 @@ def _correlate(outside: jax.Array, right: jax.Array, width: int) -> jax.Array:
         return out
 
     zeros = jnp.zeros(outside.shape[:-1] + (width,), outside.dtype)
+    if steps == 1:
+        return add_shifts(0, zeros)
     return lax.fori_loop(0, steps, add_shifts, zeros)
 
 

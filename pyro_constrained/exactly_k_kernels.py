@@ -1,4 +1,4 @@
-"""Numerical kernels of ExactlyKBernoulli (MATH.md section 1), PyTorch.
+"""Numerical kernels of ExactlyKBernoulli (docs/distributions/exactly_k_bernoulli.md), PyTorch.
 
 Pure functions of ``logits`` (shape ``batch + (n,)``, entries finite or ``-inf``), ``k``
 (integer tensor of shape ``batch``, ``0 <= k <= number of finite logits``) and ``k_max`` (a
