@@ -78,9 +78,13 @@ def _torch_outputs(case: Case, device: str, value_on_cpu=None):
     )
     for output in (log_prob, entropy, mean):
         assert output.device.type == torch.device(device).type
-    grads = torch.autograd.grad(log_prob.sum() + entropy.sum(), leaves)
+    # (retain_graph: the rsample below shares the distribution's cached factorisations)
+    grads = torch.autograd.grad(
+        log_prob.sum() + entropy.sum(), leaves, retain_graph=True, allow_unused=True
+    )
     outputs = {"log_prob": log_prob, "entropy": entropy, "mean": mean}
-    outputs.update({f"grad {i}": grad for i, grad in enumerate(grads)})
+    # (an unused parameter, such as LCN's k in log_prob + entropy, has no gradient)
+    outputs.update({f"grad {i}": grad for i, grad in enumerate(grads) if grad is not None})
 
     sample = distribution.sample((3,))
     assert sample.device.type == torch.device(device).type
