@@ -89,8 +89,23 @@ def load_previous_kernels(revision: str) -> dict[str, ModuleType]:
         module.__file__ = f"{revision}:{path}"
         sys.modules[name] = module  # NamedTuple and pickling look their module up
         exec(compile(source, module.__file__, "exec"), module.__dict__)
+        if package == "jax" and not hasattr(module, "sample_straight_through"):
+            module.sample_straight_through = _eager_straight_through(module)
         modules[package] = module
     return modules
+
+
+def _eager_straight_through(kernels: ModuleType):
+    """For JAX kernels from before ``sample_straight_through``: what the distribution did
+    then, ``z + mu - stop_gradient(mu)`` from ``sample_and_marginals`` (the marginals
+    computed whether or not the sample is differentiated), so that the distribution of
+    this revision can run on them."""
+
+    def sample_straight_through(key, logits, k, k_max, sample_shape=()):
+        z, mu = kernels.sample_and_marginals(key, logits, k, k_max, sample_shape)
+        return z + (mu - jax.lax.stop_gradient(mu))
+
+    return sample_straight_through
 
 
 def best_time(function, repeats: int) -> float:
