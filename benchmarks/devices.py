@@ -13,6 +13,7 @@ finished work: CUDA kernels run asynchronously, and JAX's are awaited by
 from __future__ import annotations
 
 import argparse
+import time
 
 import jax
 import torch
@@ -78,3 +79,17 @@ def describe(device: str) -> str:
     if accelerator is not None:
         names.append(f"jax: {accelerator.device_kind}")
     return ", ".join(names) or "no accelerator"
+
+
+def best_time(function, repeats: int) -> float:
+    """Best wall time of ``repeats`` calls, in seconds, after one warm-up call (which also
+    compiles), each timing ending when queued CUDA work has finished."""
+    function()
+    synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function()
+        synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best

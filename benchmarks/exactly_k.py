@@ -24,7 +24,6 @@ n/2, peak memory, log-log slopes and JAX compile times, against the previous ker
 import argparse
 import os
 import sys
-import time
 
 # One thread per framework: the machine is shared, and the comparison is per core.
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
@@ -45,15 +44,7 @@ torch.set_num_threads(1)
 
 def best_time(function, repeats: int) -> float:
     """Best wall time of ``repeats`` calls, in ms (after one warm-up call: JIT compilation)."""
-    function()
-    devices.synchronize()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        devices.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return 1e3 * best
+    return 1e3 * devices.best_time(function, repeats)
 
 
 def torch_cases(logits: np.ndarray, k: int, dtype):

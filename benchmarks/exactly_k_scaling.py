@@ -108,18 +108,7 @@ def _eager_straight_through(kernels: ModuleType):
     return sample_straight_through
 
 
-def best_time(function, repeats: int) -> float:
-    """Best wall time of ``repeats`` calls, in seconds, after one warm-up call (queued CUDA
-    work finished inside each timing)."""
-    function()
-    devices.synchronize()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        devices.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return best
+best_time = devices.best_time
 
 
 def table_size(n: int, k: int) -> int:

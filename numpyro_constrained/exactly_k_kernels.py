@@ -417,6 +417,12 @@ class _Level(NamedTuple):
     high: jax.Array | None = None
 
 
+def _by_rule(fft: jax.Array | bool, by_fft, direct, *operands) -> jax.Array:
+    """A wide level: ``by_fft`` where ``fft`` is True, else a ``lax.cond`` on the device's
+    decision (both branches compiled)."""
+    return by_fft(*operands) if fft is True else lax.cond(fft, by_fft, direct, *operands)
+
+
 def _upward(tables: jax.Array, k_max: int, fft: jax.Array | bool | None):
     """Merge pairs of nodes until one is left. ``tables``: (batch, nodes, width).
     ``fft``: None if no level is wide enough for the FFT path; True if the levels at least
@@ -454,10 +460,7 @@ def _upward(tables: jax.Array, k_max: int, fft: jax.Array | bool | None):
             def direct(left, right, out_width=out_width):
                 return _convolve(left, right, out_width)
 
-            if fft is True:
-                merged = by_fft(left, right)
-            else:
-                merged = lax.cond(fft, by_fft, direct, left, right)
+            merged = _by_rule(fft, by_fft, direct, left, right)
             levels.append(_Level(left, right, padded, *children))
         else:
             merged = _convolve(left, right, out_width)
@@ -495,10 +498,7 @@ def _downward(root_width: int, levels, k: jax.Array, dtype, fft) -> jax.Array:
             def direct(both, siblings, width=width):
                 return _correlate(both, siblings, width)
 
-            if fft is True:
-                tables = by_fft(both, siblings)
-            else:
-                tables = lax.cond(fft, by_fft, direct, both, siblings)
+            tables = _by_rule(fft, by_fft, direct, both, siblings)
         else:
             tables = _correlate(both, siblings, width)
         outside, _ = _rescale(tables)
