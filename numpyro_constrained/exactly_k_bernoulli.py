@@ -317,7 +317,7 @@ class ExactlyKBernoulli(Distribution):
         """mu_i = P(z_i = 1 | sum z = k), differentiable in the logits."""
         problem = self._problem
         free_mu = kernels.marginals(problem.logits, problem.k, self._table_size)
-        return _complete_marginals(free_mu, self.logits, problem)
+        return _complete_selection(free_mu, self.logits, problem)
 
     @property
     def mean(self) -> jax.Array:
@@ -428,7 +428,7 @@ class ExactlyKBernoulli(Distribution):
         z = kernels.sample_straight_through(
             key, problem.logits, problem.k, self._table_size, tuple(sample_shape)
         )
-        return _straight_through(z, self.logits, problem)
+        return _complete_selection(z, self.logits, problem)
 
     def entropy(self) -> jax.Array:
         """``H = log e_k(exp theta) - theta . mu`` (over the finite logits), evaluated as a
@@ -615,23 +615,17 @@ def _complete(free, logits, problem: _FreeProblem, forced_on, forced_off, none_l
 
 
 @jax.jit
-def _complete_marginals(free_mu, logits, problem: _FreeProblem):
-    return _complete(free_mu, logits, problem, 1.0, 0.0, 0.0)
+def _complete_selection(free, logits, problem: _FreeProblem):
+    """Marginals, or draws (which carry the free marginals' derivative,
+    ``kernels.sample_straight_through``), of the full problem from the free one's: forced
+    variables are 1 or 0, and deterministic rows their only k-hot vector, constants."""
+    return _complete(free, logits, problem, 1.0, 0.0, 0.0)
 
 
 @jax.jit
 def _complete_pair(free_mu, free_complement, logits, problem: _FreeProblem):
     mu = _complete(free_mu, logits, problem, 1.0, 0.0, 0.0)
     return mu, _complete(free_complement, logits, problem, 0.0, 1.0, 1.0)
-
-
-@jax.jit
-def _straight_through(z, logits, problem: _FreeProblem) -> jax.Array:
-    """The draws of the full problem from those of the free one, which carry the free
-    marginals' derivative (``kernels.sample_straight_through``): forced variables are 1 or
-    0, and deterministic rows are their only k-hot vector, constants as their marginals
-    are."""
-    return _complete(z, logits, problem, 1.0, 0.0, 0.0)
 
 
 @jax.jit
