@@ -106,7 +106,8 @@ would need.
 
 Compilation: the public functions are thin wrappers around jitted ones (``k_max`` and
 ``sample_shape`` static). They pad n with ``-inf`` logits to a size bucket (``_bucket``:
-powers of two, and 1.5 times a power of two above 1024) and round ``k_max`` up to a power of
+powers of two, also 1.5 times a power of two above 1024, and eight buckets per octave above
+65536) and round ``k_max`` up to a power of
 two, then cut the outputs back to n, so an eager loop whose n or k varies compiles once per
 bucket. They do the same inside a caller's ``jit``/``grad``/``vmap``: the padded tables fix
 the random numbers a sample consumes, so a key draws the same sample eagerly and under jit.
@@ -136,20 +137,26 @@ _UNROLL_WIDTH = 2
 _SHIFTS_PER_STEP = 8
 # The FFT path (see "FFT path" in the module docstring): levels whose product tables are at
 # least _FFT_WIDTH wide are computed by FFT when every row's tilted count variance is at
-# least _FFT_MIN_VARIANCE (the same rule as the torch kernels; crossover measured in
-# benchmarks/README.md).
-_FFT_WIDTH = 129
+# least _FFT_MIN_VARIANCE (the same rule as the torch kernels). XLA's direct sums stay
+# faster than its FFT below this width in both dtypes: at n = 2^19, k = 100 (every upper
+# level 129 wide) FFT levels from width 129 made the marginals 1.3x to 1.9x slower
+# (benchmarks/README.md, "Small k at large n").
+_FFT_WIDTH = 513
 _FFT_MIN_VARIANCE = 4.0
-# The sampler splits nodes whose left children are at least this wide by an exponential race
-# (one kernel per level to compile) instead of the inverse CDF (a cumulative sum: a tree of
-# kernels on wide tables), at the cost of one random number per table entry (see _draw).
-_RACE_WIDTH = 65
+# The sampler draws the split of a node by the inverse CDF, whose prefix sums are products
+# with triangular matrices of ones in blocks of _PREFIX_BLOCK (see _prefix_sums), up to
+# left children _PREFIX_BLOCK ** 2 wide; wider ones by an exponential race (see _draw).
+_PREFIX_BLOCK = 32
+_RACE_WIDTH = _PREFIX_BLOCK**2 + 1
 # Eager calls pad n with -inf logits (never selected, so nothing changes) to a size bucket
 # and round k_max up to a power of two, so that a loop whose n or k varies compiles once per
 # bucket: sizes up to _SMALLEST_BUCKET share one bucket, powers of two up to
-# _FINE_BUCKETS_FROM, then also 1.5 times a power of two (at most a third of padding).
+# _FINE_BUCKETS_FROM, then also 1.5 times a power of two (at most a third of padding), and
+# above _FINEST_BUCKETS_FROM eight buckets per octave (at most an eighth of padding: there
+# the padded leaves' run time outweighs a compilation).
 _SMALLEST_BUCKET = 16
 _FINE_BUCKETS_FROM = 1024
+_FINEST_BUCKETS_FROM = 65536
 
 
 def tilt(logits: jax.Array, k: jax.Array) -> jax.Array:
@@ -576,9 +583,9 @@ def _bucket(size: int) -> int:
     if size <= _SMALLEST_BUCKET:
         return _SMALLEST_BUCKET
     power = 1 << (size - 1).bit_length()
-    if size > _FINE_BUCKETS_FROM and size <= 3 * power // 4:
-        return 3 * power // 4
-    return power
+    per_octave = 1 if size <= _FINE_BUCKETS_FROM else 2 if size <= _FINEST_BUCKETS_FROM else 8
+    step = power // (2 * per_octave)  # sizes in (power / 2, power] round up to a multiple
+    return -(-size // step) * step
 
 
 def _to_bucket(logits, k_max: int):
@@ -669,7 +676,6 @@ def cross_entropy_value(
     return jnp.where(x > -jnp.inf, terms, 0.0).sum(-1) + parts.log_reduced
 
 
-@jax.jit
 @jax.jit
 def log_constraint_prob_value(logits: jax.Array, k: jax.Array, parts: NormalizerParts):
     """``log P(sum z = k)`` for independent ``z_i ~ Bernoulli(sigmoid(logits_i))`` (wide
@@ -771,17 +777,38 @@ def _marginals_and_complements(logits, k, k_max: int):
     return mu.reshape(logits.shape), complement.reshape(logits.shape)
 
 
+def _prefix_sums(weight: jax.Array) -> jax.Array:
+    """Inclusive prefix sums along the last axis (at most ``_PREFIX_BLOCK ** 2`` wide) as
+    products with triangular matrices of ones: within blocks of ``_PREFIX_BLOCK``, then the
+    sums of the blocks before. A ``cumsum`` compiles on XLA's CPU backend into a tree of about
+    a dozen kernels (its reduce-window rewrite), these products into two or three; their
+    extra multiply-adds (``_PREFIX_BLOCK`` per entry) cost less at run time than that
+    tree's passes. ``HIGHEST`` precision: a GPU's default float32 product rounds to 10 bits."""
+    width = weight.shape[-1]
+    block = min(width, _PREFIX_BLOCK)
+    blocks = -(-width // block)
+    tiled = _pad_last(weight, 0, blocks * block - width)
+    tiled = tiled.reshape(weight.shape[:-1] + (blocks, block))
+    upper = jnp.triu(jnp.ones((block, block), weight.dtype))
+    sums = jnp.matmul(tiled, upper, precision=lax.Precision.HIGHEST)
+    if blocks > 1:
+        strictly_upper = jnp.triu(jnp.ones((blocks, blocks), weight.dtype), 1)
+        before = jnp.matmul(sums[..., -1], strictly_upper, precision=lax.Precision.HIGHEST)
+        sums = sums + before[..., None]
+    return sums.reshape(weight.shape[:-1] + (blocks * block,))[..., :width]
+
+
 def _draw(key: jax.Array, root_k: jax.Array, levels, num_samples: int) -> jax.Array:
     """Counts of ones per leaf, (num_samples, batch, n), top-down from root counts (batch,).
 
     A node holding c ones gives its left child m of them with probability proportional to
     ``w_m = left[m] right[c - m]``. Below ``_RACE_WIDTH`` by the inverse CDF (one uniform
-    per split); at wider levels by an exponential race: m maximises ``w_m / E_m`` with
-    independent standard exponential ``E_m`` (an exact draw from the same categorical
-    distribution; splits of weight zero never win). The race needs one random number per
-    entry instead of one per split, but its argmax is one kernel, where a cumulative sum
-    over a wide table compiles on XLA's CPU backend into a tree of about a dozen kernels per
-    level, and compile time is what limits the JAX kernels (benchmarks/README.md)."""
+    per split, prefix sums by ``_prefix_sums``); at wider levels by an exponential race: m
+    maximises ``w_m / E_m`` with independent standard exponential ``E_m`` (an exact draw from
+    the same categorical distribution; splits of weight zero never win). The race needs one
+    random number per entry instead of one per split, but its argmax is one kernel, and the
+    levels that wide are few (compile time is what limits the JAX kernels:
+    benchmarks/README.md). Neither ever picks a split of weight zero."""
     counts = jnp.broadcast_to(root_k, (num_samples,) + root_k.shape)[..., None]
     # All random numbers drawn at once: a random call per level multiplies compile time.
     sizes = [
@@ -809,12 +836,19 @@ def _draw(key: jax.Array, root_k: jax.Array, levels, num_samples: int) -> jax.Ar
             score = jnp.where(weight > 0, weight / exponential, -1.0)
             ones_left = jnp.argmax(score, axis=-1).astype(counts.dtype)
         else:
-            cumulative = jnp.cumsum(weight, axis=-1)
+            cumulative = _prefix_sums(weight)
             threshold = uniform[..., None] * cumulative[..., -1:]
-            ones_left = (cumulative <= threshold).sum(-1, dtype=counts.dtype)
-            # Rounding can put u * total at the total: never pick a split of weight zero.
-            last_possible = w_left - 1 - jnp.argmax(jnp.flip(weight > 0, -1), axis=-1)
-            ones_left = jnp.minimum(ones_left, last_possible.astype(counts.dtype))
+            # The first split of positive weight whose prefix sum exceeds u * total. Rounding
+            # can give a split of weight zero a larger prefix sum than its predecessor's (the
+            # sums are computed independently), or put u * total at the total (then the last
+            # split of positive weight).
+            # (Plain min and max reductions: an argmax compiles into a slower variadic one.)
+            index = jnp.arange(w_left, dtype=counts.dtype)
+            above = (cumulative > threshold) & (weight > 0)
+            first_above = jnp.where(above, index, w_left).min(-1)
+            last_possible = jnp.where(weight > 0, index, 0).max(-1)
+            ones_left = jnp.minimum(first_above, last_possible)
+            ones_left = ones_left.astype(counts.dtype)
         if level.low is not None:
             # FFT levels: keep the draw among the splits both children can hold (noise
             # could otherwise, with a probability of the order of the noise, lead to a

@@ -120,7 +120,9 @@ _NARROW = 16
 # least _FFT_MIN_VARIANCE (measured crossover of the direct sums and the FFT, per level, on
 # one CPU thread: benchmarks/README.md).
 _FFT_WIDTH = 129
-_FFT_WIDTH_FLOAT32 = 257  # float32 direct sums are one oneDNN convolution, faster
+# float32 direct sums are one oneDNN convolution, faster below this (1.3x to 2.5x at
+# n = 2^19, k_max = 256 to 1024, with FFT levels from 257: benchmarks/README.md).
+_FFT_WIDTH_FLOAT32 = 1025
 _FFT_MIN_VARIANCE = 4.0
 # Bytes of output per block of batch rows (see _in_batch_blocks), measured best for the
 # direct sums, and for the sampler's draws (whose temporaries are several times the output).

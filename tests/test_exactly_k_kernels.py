@@ -312,19 +312,24 @@ def test_torch_kernels_never_produce_denormals():
 # The FFT path (levels at least _FFT_WIDTH wide, rows with tilted count variance >= 4).
 
 
+# n = 1100 with k_max = 1024: the upper levels are 129 to 1025 wide, so some take the FFT
+# path in both packages and dtypes (from width 129 in torch float64, 513 in JAX, 1025 in torch
+# float32).
+_FFT_K_MAX = 1024
+
+
 @functools.cache
 def _fft_problem():
-    """n = 500 with k_max = 512: the upper levels are 129 to 513 wide, so they take the FFT
-    path in both dtypes. Logits ~ N(-1, 20^2) (marginals far below 1e-20), with entries that
-    are never (-inf, -1e4 below the others) or always (+1e4) selected, which FFT rounding
-    must not disturb: their marginals are exactly 0 and 1, and a sample never or always
+    """n = 1100, k_max = ``_FFT_K_MAX``. Logits ~ N(-1, 20^2) (marginals far below 1e-20),
+    with entries that are never (-inf, -1e4 below the others) or always (+1e4) selected, which
+    FFT rounding must not disturb: their marginals are exactly 0 and 1, and a sample never or always
     holds them."""
     rng = np.random.default_rng(500)
-    logits = rng.normal(-1.0, 20.0, size=(3, 500))
+    logits = rng.normal(-1.0, 20.0, size=(3, 1100))
     logits[:, :5] = -np.inf
     logits[:, 5:10] = -1e4
     logits[:, 10:15] = 1e4
-    return logits, np.array([60, 250, 430])
+    return logits, np.array([130, 550, 950])
 
 
 def _torch_direct(monkeypatch, logits, ks, k_max):
@@ -343,10 +348,12 @@ def test_fft_path_matches_log_space_recursion_and_direct_path(framework, monkeyp
         x = logits.astype(dtype)
         tilted = x + np.asarray(module.tilt(_tensor(framework, x), _tensor(framework, ks)))
         # the case under test (the JAX kernels also ask whether marginals are wanted)
-        assert bool(module._use_fft(_tensor(framework, tilted), 512, *_for_marginals(framework)))
-    log_norm, mu = _run(framework, logits, ks, 512)
-    log_norm32, mu32 = _run(framework, logits.astype(np.float32), ks, 512)
-    direct_log_norm, direct_mu = _torch_direct(monkeypatch, logits, ks, 512)
+        assert bool(
+            module._use_fft(_tensor(framework, tilted), _FFT_K_MAX, *_for_marginals(framework))
+        )
+    log_norm, mu = _run(framework, logits, ks, _FFT_K_MAX)
+    log_norm32, mu32 = _run(framework, logits.astype(np.float32), ks, _FFT_K_MAX)
+    direct_log_norm, direct_mu = _torch_direct(monkeypatch, logits, ks, _FFT_K_MAX)
     for row, k in enumerate(ks):
         finite = logits[row] > -np.inf
         expected = oracle.log_elementary_symmetric(logits[row][finite], k)[k]
@@ -417,7 +424,7 @@ def test_fft_path_samples_are_exact_and_match_the_marginals(framework):
     logits, ks = _fft_problem()
     num_samples = 4000
     samples = _draw(framework, logits, ks, num_samples)
-    _, mu = _run(framework, logits, ks, 512)  # the tables of the test above
+    _, mu = _run(framework, logits, ks, _FFT_K_MAX)  # the tables of the test above
     assert np.array_equal(samples.sum(-1), np.broadcast_to(ks, (num_samples, 3)).astype(float))
     assert not samples[..., :10].any() and samples[..., 10:15].all()
     frequency = samples.mean(0)
@@ -493,3 +500,64 @@ def test_jax_eager_calls_compile_once_per_size_bucket():
     for n, k, k_max in ((25, 5, 8), (31, 3, 5), (32, 8, 8), (20, 4, 8)):
         call(n, k, k_max)
     assert (jax_kernels._marginals._cache_size(), jax_kernels._sample._cache_size()) == sizes
+
+
+def test_jax_size_buckets_pad_little_and_are_few():
+    """Every size pads up to its bucket, by at most a half, a third and a ninth of the bucket
+    up to 1024, up to 65536 and above (where the padded leaves' run time matters more than a
+    compilation: at n = 1e7 the buckets of 1.5 times a power of two padded 26%), and an octave
+    holds at most 1, 2 and 8 buckets in those ranges."""
+    for low, high, most_padding, most_buckets in (
+        (16, 1024, 1 / 2, 1),
+        (1024, 65536, 1 / 3, 2),
+        (65536, 2**24, 1 / 9, 8),
+    ):
+        octave = low  # sizes in (octave, 2 octave]
+        while octave < high:
+            sizes = np.unique(np.linspace(octave + 1, 2 * octave, 200).astype(int))
+            buckets = {jax_kernels._bucket(int(size)) for size in sizes}
+            assert len(buckets) <= most_buckets
+            for size in sizes:
+                bucket = jax_kernels._bucket(int(size))
+                assert size <= bucket and bucket - size <= most_padding * bucket
+            octave *= 2
+    assert jax_kernels._bucket(10_000_000) == 10 * 2**20
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_jax_prefix_sums_match_cumsum(dtype):
+    """The sampler's prefix sums (triangular matrix products in blocks) against NumPy's
+    sequential cumsum in float64, for every width up to 1024 that changes the blocking, with
+    runs of exact zeros: each sum adds at most 64 terms (32 in its block, 32 block totals), so
+    rounding stays within 64 eps of the total, and a zero weight adds exactly nothing within a
+    block."""
+    rng = np.random.default_rng(12)
+    eps = np.finfo(dtype).eps
+    for width in (1, 2, 31, 32, 33, 64, 100, 513, 1000, 1024):
+        weight = rng.exponential(size=(3, width)) * (rng.random((3, width)) < 0.7)
+        weight = weight.astype(dtype)
+        sums = np.asarray(jax_kernels._prefix_sums(jnp.asarray(weight)))
+        assert sums.dtype == dtype and sums.shape == weight.shape
+        expected = np.cumsum(weight.astype(np.float64), axis=-1)
+        assert np.all(np.abs(sums - expected) <= 64 * eps * expected[:, -1:])
+        zero = weight[:, 1:] == 0
+        same_block = (np.arange(1, width) % 32 != 0)[None, :]
+        assert np.array_equal(sums[:, 1:][zero & same_block], sums[:, :-1][zero & same_block])
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_float32_draws_with_interleaved_masked_and_forced_entries_are_exact(framework):
+    """float32, n = 300: every third logit -inf and every seventh 1e4, the rest N(0, 3^2):
+    3000 draws never select a -inf logit, always select the 1e4 ones, and hold k ones. The
+    split weights then have exact zeros inside the tables, where an inverse CDF whose prefix
+    sums round differently per entry could otherwise pick a split of weight zero."""
+    rng = np.random.default_rng(13)
+    logits = rng.normal(0.0, 3.0, size=(2, 300))
+    index = np.arange(300)
+    logits[:, index % 3 == 0] = -np.inf
+    forced = (index % 7 == 0) & (index % 3 != 0)
+    logits[:, forced] = 1e4
+    ks = np.array([forced.sum() + 1, 150])
+    samples = _draw(framework, logits, ks, 3000, np.float32)
+    assert np.array_equal(samples.sum(-1), np.broadcast_to(ks, (3000, 2)).astype(np.float32))
+    assert not samples[..., index % 3 == 0].any() and samples[..., forced].all()
