@@ -42,7 +42,8 @@ Method (SIMPLE Algorithms 4 and 5, in scaled linear space; the same as
   the leaves.
 
 FFT path (cost independent of k). A level of the tree whose product tables are at least
-``_FFT_WIDTH`` wide is computed by FFT instead of the direct sums: the upward convolutions
+``_FFT_WIDTH`` wide (``_FFT_WIDTH_UNCONDITIONAL`` for the normaliser and the draws, see
+below) is computed by FFT instead of the direct sums: the upward convolutions
 and the downward correlations, in float64 arithmetic whatever the tables' dtype (float32
 when JAX's x64 mode is off: errors then about 1e-7 times a table's largest entry, which
 meets float32 accuracy only for well spread count distributions). A level of w-wide tables
@@ -98,9 +99,12 @@ has a different shape (nodes halve, widths grow): 17 levels at n = 1e5, each a h
 kernels per pass, with both branches of every wide level's ``lax.cond`` compiled where
 marginals are computed. Hence three choices: the normaliser and the draws build no
 ``lax.cond`` (above); a sample that is not differentiated computes no marginals
-(``sample_straight_through``); and the sampler draws the splits of wide levels by an
-exponential race (one argmax per level) instead of an inverse CDF (a cumulative sum
-compiles into a tree of about a dozen kernels per level).
+(``sample_straight_through``); and the sampler's inverse CDF takes its prefix sums as
+products with triangular matrices (a ``cumsum`` compiles into a tree of about a dozen
+kernels per level), and splits the levels with few table entries by an exponential race
+(one argmax per level, ``_races``). Where no ``lax.cond`` is built, FFT levels compile
+into fewer kernels than direct ones, hence FFT from width 129 there; the marginals take it
+from 513, below which XLA's direct sums run faster.
 benchmarks/README.md ("JAX compile times") has the numbers and what a loop over levels
 would need.
 
@@ -140,14 +144,24 @@ _SHIFTS_PER_STEP = 8
 # least _FFT_MIN_VARIANCE (the same rule as the torch kernels). XLA's direct sums stay
 # faster than its FFT below this width in both dtypes: at n = 2^19, k = 100 (every upper
 # level 129 wide) FFT levels from width 129 made the marginals 1.3x to 1.9x slower
-# (benchmarks/README.md, "Small k at large n").
+# (benchmarks/README.md, "Small k at large n"). Where only the normaliser or a draw is
+# computed (no lax.cond: every wide level takes the FFT), levels from
+# _FFT_WIDTH_UNCONDITIONAL wide go by FFT, which compiles into fewer kernels than the
+# direct sums' loop (measured at n = 1e5, k = n/2: jit(sample) compiled in 2.5 s, 2.8 s
+# with FFT levels only from 513).
 _FFT_WIDTH = 513
+_FFT_WIDTH_UNCONDITIONAL = 129
 _FFT_MIN_VARIANCE = 4.0
-# The sampler draws the split of a node by the inverse CDF, whose prefix sums are products
-# with triangular matrices of ones in blocks of _PREFIX_BLOCK (see _prefix_sums), up to
-# left children _PREFIX_BLOCK ** 2 wide; wider ones by an exponential race (see _draw).
+# The sampler draws the splits of a level by the inverse CDF, whose prefix sums are products
+# with triangular matrices of ones in blocks of _PREFIX_BLOCK (see _prefix_sums), where the
+# level holds many table entries: at least _PREFIX_MIN_ENTRIES where its left tables are at
+# most _PREFIX_BLOCK wide (one product), at least _BLOCKED_PREFIX_MIN_ENTRIES where they are
+# wider, up to _PREFIX_BLOCK ** 2 (blocked products, slower to compile). There the race's
+# random numbers cost more run time than the products' compilation (n = 1e5: 2x at k = 10;
+# n = 1e7: 15% at k = 100). Other levels are split by an exponential race (see _draw).
 _PREFIX_BLOCK = 32
-_RACE_WIDTH = _PREFIX_BLOCK**2 + 1
+_PREFIX_MIN_ENTRIES = 2**14
+_BLOCKED_PREFIX_MIN_ENTRIES = 2**18
 # Eager calls pad n with -inf logits (never selected, so nothing changes) to a size bucket
 # and round k_max up to a power of two, so that a loop whose n or k varies compiles once per
 # bucket: sizes up to _SMALLEST_BUCKET share one bucket, powers of two up to
@@ -459,7 +473,7 @@ def _upward(tables: jax.Array, k_max: int, fft: jax.Array | bool | None):
                 low, high = _pad_last(low, 0, 1), _pad_last(high, 0, 1)
             children = (low, high)
             low, high = (t.reshape(batch, -1, 2).sum(-1) for t in children)
-        if fft is not None and out_width >= _FFT_WIDTH:
+        if fft is not None and out_width >= _fft_width(fft):
 
             def by_fft(left, right, low=low, high=high, out_width=out_width):
                 return _mask_outside(_convolve_by_fft(left, right, out_width), low, high)
@@ -535,13 +549,19 @@ def _use_fft(x: jax.Array, k_max: int, for_marginals: bool) -> jax.Array | bool 
     is needed (``for_marginals`` false: see "FFT path" in the module docstring); else whether
     the wide levels go by FFT, on the device: every row's tilted count variance
     ``sum_i sigmoid(x_i) sigmoid(-x_i)`` is at least ``_FFT_MIN_VARIANCE``."""
-    if min(k_max, 2 ** (x.shape[-1] - 1).bit_length()) + 1 < _FFT_WIDTH:
+    if min(k_max, 2 ** (x.shape[-1] - 1).bit_length()) + 1 < _fft_width(not for_marginals):
         return None
     if not for_marginals:
         return True
     x = lax.stop_gradient(x)
     variance = (jax.nn.sigmoid(x) * jax.nn.sigmoid(-x)).astype(wide_dtype(x.dtype)).sum(-1)
     return jnp.all(variance >= _FFT_MIN_VARIANCE)
+
+
+def _fft_width(fft: jax.Array | bool) -> int:
+    """The narrowest level on the FFT path: ``_FFT_WIDTH_UNCONDITIONAL`` where every wide level
+    takes it (``fft is True``), else ``_FFT_WIDTH``."""
+    return _FFT_WIDTH_UNCONDITIONAL if fft is True else _FFT_WIDTH
 
 
 class NormalizerParts(NamedTuple):
@@ -798,27 +818,40 @@ def _prefix_sums(weight: jax.Array) -> jax.Array:
     return sums.reshape(weight.shape[:-1] + (blocks * block,))[..., :width]
 
 
+def _races(left_shape: tuple, num_samples: int) -> bool:
+    """Whether ``_draw`` splits a level whose left tables have shape ``left_shape`` (batch,
+    nodes, width) by the exponential race (see ``_PREFIX_BLOCK``)."""
+    batch, nodes, width = left_shape
+    if width > _PREFIX_BLOCK**2:
+        return True
+    fewest = _PREFIX_MIN_ENTRIES if width <= _PREFIX_BLOCK else _BLOCKED_PREFIX_MIN_ENTRIES
+    return num_samples * batch * nodes * width < fewest
+
+
 def _draw(key: jax.Array, root_k: jax.Array, levels, num_samples: int) -> jax.Array:
     """Counts of ones per leaf, (num_samples, batch, n), top-down from root counts (batch,).
 
     A node holding c ones gives its left child m of them with probability proportional to
-    ``w_m = left[m] right[c - m]``. Below ``_RACE_WIDTH`` by the inverse CDF (one uniform
-    per split, prefix sums by ``_prefix_sums``); at wider levels by an exponential race: m
-    maximises ``w_m / E_m`` with independent standard exponential ``E_m`` (an exact draw from
-    the same categorical distribution; splits of weight zero never win). The race needs one
-    random number per entry instead of one per split, but its argmax is one kernel, and the
-    levels that wide are few (compile time is what limits the JAX kernels:
-    benchmarks/README.md). Neither ever picks a split of weight zero."""
+    ``w_m = left[m] right[c - m]``: by the inverse CDF (one uniform per split, prefix sums by
+    ``_prefix_sums``), or where ``_races`` says so by an exponential race: m maximises
+    ``w_m / E_m`` with independent standard exponential ``E_m`` (an exact draw from the same
+    categorical distribution; splits of weight zero never win). The race needs one random
+    number per entry instead of one per split, but its argmax is one kernel to compile (compile
+    time is what limits the JAX kernels: benchmarks/README.md). Neither ever picks a split of
+    weight zero."""
     counts = jnp.broadcast_to(root_k, (num_samples,) + root_k.shape)[..., None]
     # All random numbers drawn at once: a random call per level multiplies compile time.
+    races = [_races(level.left.shape, num_samples) for level in levels]
     sizes = [
-        level.left.shape[1] * (level.left.shape[2] if level.left.shape[2] >= _RACE_WIDTH else 1)
-        for level in levels
+        nodes * (width if race else 1)
+        for (_, nodes, width), race in zip(
+            (level.left.shape for level in levels), races, strict=True
+        )
     ]
     dtype = levels[0].left.dtype if levels else jnp.float32
     uniforms = jax.random.uniform(key, counts.shape[:-1] + (sum(sizes),), dtype=dtype)
     used = 0
-    for level, size in zip(reversed(levels), reversed(sizes), strict=True):
+    for level, size, race in zip(*(reversed(t) for t in (levels, sizes, races)), strict=True):
         left, right, padded = level.left, level.right, level.padded
         w_left, w_right = left.shape[-1], right.shape[-1]
         uniform = uniforms[..., used : used + size]
@@ -831,7 +864,7 @@ def _draw(key: jax.Array, root_k: jax.Array, levels, num_samples: int) -> jax.Ar
             axis=-1,
         )
         weight = jnp.where(possible, left * right_at_rest, 0.0)
-        if w_left >= _RACE_WIDTH:
+        if race:
             exponential = -jnp.log1p(-uniform.reshape(weight.shape))  # in [0, inf)
             score = jnp.where(weight > 0, weight / exponential, -1.0)
             ones_left = jnp.argmax(score, axis=-1).astype(counts.dtype)
