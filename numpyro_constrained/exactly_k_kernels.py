@@ -841,12 +841,11 @@ def _draw(key: jax.Array, root_k: jax.Array, levels, num_samples: int) -> jax.Ar
     weight zero."""
     counts = jnp.broadcast_to(root_k, (num_samples,) + root_k.shape)[..., None]
     # All random numbers drawn at once: a random call per level multiplies compile time.
-    races = [_races(level.left.shape, num_samples) for level in levels]
+    shapes = [level.left.shape for level in levels]
+    races = [_races(shape, num_samples) for shape in shapes]
     sizes = [
         nodes * (width if race else 1)
-        for (_, nodes, width), race in zip(
-            (level.left.shape for level in levels), races, strict=True
-        )
+        for (_, nodes, width), race in zip(shapes, races, strict=True)
     ]
     dtype = levels[0].left.dtype if levels else jnp.float32
     uniforms = jax.random.uniform(key, counts.shape[:-1] + (sum(sizes),), dtype=dtype)
@@ -880,8 +879,7 @@ def _draw(key: jax.Array, root_k: jax.Array, levels, num_samples: int) -> jax.Ar
             above = (cumulative > threshold) & (weight > 0)
             first_above = jnp.where(above, index, w_left).min(-1)
             last_possible = jnp.where(weight > 0, index, 0).max(-1)
-            ones_left = jnp.minimum(first_above, last_possible)
-            ones_left = ones_left.astype(counts.dtype)
+            ones_left = jnp.minimum(first_above, last_possible).astype(counts.dtype)
         if level.low is not None:
             # FFT levels: keep the draw among the splits both children can hold (noise
             # could otherwise, with a probability of the order of the noise, lead to a
