@@ -17,9 +17,10 @@ Method (SIMPLE Algorithms 4 and 5, in scaled linear space; the same as
 * Upward pass: each leaf holds the table ``[1, exp(x_i)]`` (the polynomial
   ``1 + exp(x_i) t``), each internal node the product of its children's polynomials
   truncated at degree ``k_max`` (a truncated convolution): a binary tree of depth
-  ``ceil(log2 n)`` and O(n k_max) work. Every table is stored divided by its largest entry,
-  with the log of that factor kept aside, so nothing overflows; entries below
-  ``sqrt(tiny)`` times the largest one are set to zero, so every product of two stored
+  ``ceil(log2 n)`` and O(n k_max) work. Every table is stored divided by the power of two
+  at or below its largest entry (an exact division), with the log of that factor kept
+  aside, so nothing overflows; entries below ``sqrt(tiny)`` times the largest one are set
+  to zero, so every product of two stored
   entries is a normal float (denormal arithmetic is up to 100x slower on CPUs, and such
   entries are invisible at working precision next to the largest one). The root's entry k
   is ``e_k(exp x)`` up to the kept factors:
@@ -33,7 +34,7 @@ Method (SIMPLE Algorithms 4 and 5, in scaled linear space; the same as
       mu_i = exp(x_i) o_1 / (o_0 + exp(x_i) o_1),
 
   a ratio of positive terms (no cancellation, so small marginals keep their relative
-  precision). Every outside table is again rescaled by its largest entry: the ratio does
+  precision). Every outside table is again rescaled (by a power of two): the ratio does
   not depend on it. The marginals are built from differentiable operations, so they can be
   differentiated again (the straight-through gradient), and ``log_normalizer``'s
   derivative is defined (``custom_jvp``) to be these marginals.
@@ -93,20 +94,24 @@ and no ``lax.cond`` (whose two branches both compile) is built:
   split anyway (an inverse CDF cannot tell a probability below eps from zero). A draw is
   exact in that sense, as on the direct path.
 
-Compile time is XLA's CPU code generation, about 15-20 ms of CPU per kernel (a fusion, a
-loop body, a conditional branch), and the tree is unrolled in Python because every level
-has a different shape (nodes halve, widths grow): 17 levels at n = 1e5, each a handful of
+Compile time is XLA's CPU code generation, about 10-20 ms of CPU per kernel (a fusion, a
+loop body, a conditional branch), and the tree is unrolled in Python because its levels
+have different shapes (nodes halve, widths grow): 17 levels at n = 1e5, each a handful of
 kernels per pass, with both branches of every wide level's ``lax.cond`` compiled where
-marginals are computed. Hence three choices: the normaliser and the draws build no
-``lax.cond`` (above); a sample that is not differentiated computes no marginals
-(``sample_straight_through``); and the sampler's inverse CDF takes its prefix sums as
-products with triangular matrices (a ``cumsum`` compiles into a tree of about a dozen
-kernels per level), and splits the levels with few table entries by an exponential race
-(one argmax per level, ``_races``). Where no ``lax.cond`` is built, FFT levels compile
-into fewer kernels than direct ones, hence FFT from width 129 there; the marginals take it
-from 513, below which XLA's direct sums run faster.
-benchmarks/README.md ("JAX compile times") has the numbers and what a loop over levels
-would need.
+marginals are computed. Hence: the normaliser and the draws build no ``lax.cond`` (above);
+a sample that is not differentiated computes no marginals (``sample_straight_through``);
+the top levels whose tables are all ``k_max + 1`` wide, once at most ``_LOOP_NODES`` nodes
+are left, run in one ``lax.scan`` of fixed shape (``_Loop``); the node bounds of the FFT
+path are one array, computed from the leaves at the first FFT level; an FFT level
+transforms both children in one call; tables are rescaled by powers of two, which XLA
+fuses into their consumers (a division by the largest entry compiles into a reciprocal
+kernel per level); and the sampler's inverse CDF takes its prefix sums unrolled (up to
+``_UNROLLED_PREFIX_WIDTH``) or as products with triangular matrices (a ``cumsum`` compiles
+into a tree of about a dozen kernels per level), picks its split in one reduction, and
+splits the levels with few table entries by an exponential race (one argmax per level,
+``_races``). Where no ``lax.cond`` is built, FFT levels compile into fewer kernels than
+direct ones, hence FFT from width 129 there; the marginals take it from 513, below which
+XLA's direct sums run faster. benchmarks/README.md ("JAX compile times") has the numbers.
 
 Compilation: the public functions are thin wrappers around jitted ones (``k_max`` and
 ``sample_shape`` static). They pad n with ``-inf`` logits to a size bucket (``_bucket``:
@@ -117,6 +122,7 @@ bucket. They do the same inside a caller's ``jit``/``grad``/``vmap``: the padded
 the random numbers a sample consumes, so a key draws the same sample eagerly and under jit.
 """
 
+import math
 from functools import partial
 from typing import NamedTuple
 
@@ -152,16 +158,26 @@ _SHIFTS_PER_STEP = 8
 _FFT_WIDTH = 513
 _FFT_WIDTH_UNCONDITIONAL = 129
 _FFT_MIN_VARIANCE = 4.0
-# The sampler draws the splits of a level by the inverse CDF, whose prefix sums are products
-# with triangular matrices of ones in blocks of _PREFIX_BLOCK (see _prefix_sums), where the
-# level holds many table entries: at least _PREFIX_MIN_ENTRIES where its left tables are at
-# most _PREFIX_BLOCK wide (one product), at least _BLOCKED_PREFIX_MIN_ENTRIES where they are
-# wider, up to _PREFIX_BLOCK ** 2 (blocked products, slower to compile). There the race's
+# The sampler draws the splits of a level by the inverse CDF (see _prefix_sums: unrolled
+# sums up to _UNROLLED_PREFIX_WIDTH wide, else products with triangular matrices of ones in
+# blocks of _PREFIX_BLOCK; wider unrolled chains compile into a kernel per partial sum) where
+# the level holds many table entries: at least _PREFIX_MIN_ENTRIES where its left tables are
+# at most _PREFIX_BLOCK wide (one product), at least _BLOCKED_PREFIX_MIN_ENTRIES where they
+# are wider, up to _PREFIX_BLOCK ** 2 (blocked products, slower to compile). There the race's
 # random numbers cost more run time than the products' compilation (n = 1e5: 2x at k = 10;
 # n = 1e7: 15% at k = 100). Other levels are split by an exponential race (see _draw).
 _PREFIX_BLOCK = 32
+_UNROLLED_PREFIX_WIDTH = 5
 _PREFIX_MIN_ENTRIES = 2**14
 _BLOCKED_PREFIX_MIN_ENTRIES = 2**18
+# The top levels whose tables are all k_max + 1 wide (k_max small against n) run in one
+# lax.scan of fixed shape (_Loop) once at most _LOOP_NODES nodes are left, if that saves at
+# least _LOOP_MIN_STEPS levels: each step then merges up to _LOOP_NODES / 2 pairs, mostly of
+# empty tables, instead of halving, and the scan compiles once instead of once per level
+# (jit(sample) at n = 1e5: 2.3-2.6 s of compilation before, 1.7-1.9 s after, at k = 10 and
+# k = 1000).
+_LOOP_NODES = 64
+_LOOP_MIN_STEPS = 3
 # Eager calls pad n with -inf logits (never selected, so nothing changes) to a size bucket
 # and round k_max up to a power of two, so that a loop whose n or k varies compiles once per
 # bucket: sizes up to _SMALLEST_BUCKET share one bucket, powers of two up to
@@ -357,17 +373,17 @@ def _fft_dtype(dtype):
     return jnp.promote_types(dtype, jnp.float64) if jax.config.jax_enable_x64 else dtype
 
 
-def _convolve_by_fft(left: jax.Array, right: jax.Array, width: int) -> jax.Array:
-    """``_convolve`` as a circular convolution long enough that nothing wraps around. Its
-    error is about eps times the largest entry of the output, not relative to each entry;
-    negative noise is clamped to zero, and the caller zeroes the structurally impossible
-    entries (``_mask_outside``)."""
-    left = left[..., :width]
-    length = _fast_fft_length(left.shape[-1] + right.shape[-1] - 1)
-    wide = _fft_dtype(left.dtype)
-    spectrum = jnp.fft.rfft(left.astype(wide), length) * jnp.fft.rfft(right.astype(wide), length)
-    out = jnp.fft.irfft(spectrum, length)[..., :width]
-    return jnp.maximum(out, 0.0).astype(left.dtype)
+def _convolve_by_fft(pairs: jax.Array, width: int) -> jax.Array:
+    """``_convolve`` of ``pairs[..., 0, :]`` and ``pairs[..., 1, :]`` as a circular
+    convolution long enough that nothing wraps around, both transforms in one FFT (one
+    padding kernel to compile instead of two). Its error is about eps times the largest
+    entry of the output, not relative to each entry; negative noise is clamped to zero, and
+    the caller zeroes the structurally impossible entries (``_mask_outside``)."""
+    length = _fast_fft_length(2 * pairs.shape[-1] - 1)
+    wide = _fft_dtype(pairs.dtype)
+    spectra = jnp.fft.rfft(pairs.astype(wide), length)
+    out = jnp.fft.irfft(spectra[..., 0, :] * spectra[..., 1, :], length)[..., :width]
+    return jnp.maximum(out, 0.0).astype(pairs.dtype)
 
 
 def _correlate_by_fft(outside: jax.Array, right: jax.Array, width: int) -> jax.Array:
@@ -383,26 +399,38 @@ def _correlate_by_fft(outside: jax.Array, right: jax.Array, width: int) -> jax.A
     return jnp.maximum(out, 0.0).astype(outside.dtype)
 
 
-def _mask_outside(table: jax.Array, low: jax.Array, high: jax.Array) -> jax.Array:
-    """``table`` (..., width) with the entries outside ``low..high`` (shape ``...``) zero."""
+def _mask_outside(table: jax.Array, bounds: jax.Array) -> jax.Array:
+    """``table`` (..., width) with the entries outside ``bounds[..., 0]..bounds[..., 1]``
+    zero."""
     index = jnp.arange(table.shape[-1])
-    inside = (index >= low[..., None]) & (index <= high[..., None])
+    inside = (index >= bounds[..., :1]) & (index <= bounds[..., 1:])
     return jnp.where(inside, table, 0.0)
 
 
 def _rescale(table: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(table / its largest entry, log of that entry) per node, with entries below
-    sqrt(tiny) of the largest set to zero (so products of two entries are never denormal).
+    """(table / 2^e, e log 2) per node, 2^e the power of two with the largest entry in
+    [2^e, 2^(e + 1)), and entries below sqrt(tiny) of the largest set to zero (so products of
+    two entries are never denormal).
 
-    The factor is under stop_gradient: every quantity computed from the tables is either
-    invariant to it (marginals, sampling) or adds it back explicitly (the normaliser).
+    A power of two: the division is exact, and cheap enough for XLA to fuse into each of the
+    table's consumers (a division by the largest entry itself becomes a reciprocal per node,
+    a kernel of its own per level; compile time is what limits the JAX kernels). The factor
+    is under stop_gradient: every quantity computed from the tables is either invariant to
+    it (marginals, sampling) or adds it back explicitly (the normaliser).
     """
     info = jnp.finfo(table.dtype)
     tiny = float(info.tiny)
     largest = jnp.maximum(lax.stop_gradient(table).max(-1, keepdims=True), tiny)
-    table = jnp.where(table >= largest * tiny**0.5, table, 0.0) / largest
-    # The log in the wide dtype: a float32 log is off by eps |log factor|, and n of them add up.
-    return table, jnp.log(largest[..., 0].astype(wide_dtype(table.dtype)))
+    # 2^-e from the bits of the largest entry (jnp.frexp and jnp.ldexp compile into a kernel
+    # per node of their own): its biased exponent field is e + bias, 2^-e's is bias - e.
+    bits = jnp.int64 if info.bits == 64 else jnp.int32
+    field = lax.bitcast_convert_type(largest, bits) >> info.nmant  # e + bias (largest > 0)
+    bias = 2 ** (info.nexp - 1) - 1
+    scale = lax.bitcast_convert_type((2 * bias - field) << info.nmant, table.dtype)
+    table = jnp.where(table >= largest * tiny**0.5, table, 0.0) * scale
+    # The log in the wide dtype, exact up to one rounding.
+    exponent = (field[..., 0] - bias).astype(wide_dtype(table.dtype))
+    return table, exponent * math.log(2.0)
 
 
 def _leaves(x: jax.Array, k_max: int):
@@ -427,15 +455,14 @@ def wide_dtype(dtype):
 class _Level(NamedTuple):
     """One level of the tree: node j of the level above is the parent of ``left`` node j
     and ``right`` node j, (batch, nodes, width) each; ``padded``: the last right node is the
-    table of an empty set, added to make the count even. ``low``, ``high``: on levels wide
-    enough for the FFT path, the children's degree bounds (batch, 2 nodes), left and right
-    child of each parent in turn (else None)."""
+    table of an empty set, added to make the count even. ``bounds``: on levels wide enough
+    for the FFT path, the children's lowest and highest possible counts (batch, 2 nodes, 2),
+    left and right child of each parent in turn (else None)."""
 
     left: jax.Array
     right: jax.Array
     padded: bool
-    low: jax.Array | None = None
-    high: jax.Array | None = None
+    bounds: jax.Array | None = None
 
 
 def _by_rule(fft: jax.Array | bool, by_fft, direct, *operands) -> jax.Array:
@@ -444,51 +471,160 @@ def _by_rule(fft: jax.Array | bool, by_fft, direct, *operands) -> jax.Array:
     return by_fft(*operands) if fft is True else lax.cond(fft, by_fft, direct, *operands)
 
 
+def _merge(pairs: jax.Array, bounds: jax.Array | None, out_width: int, fft):
+    """One level of the upward pass: the rescaled products of node pairs ``pairs`` (batch,
+    nodes, 2, width) truncated at ``out_width``, and their log factors (see ``_rescale``);
+    ``bounds``: the parents' bounds (batch, nodes, 2), or None below the FFT levels."""
+    if bounds is not None and out_width >= _fft_width(fft):
+
+        def by_fft(pairs):
+            return _mask_outside(_convolve_by_fft(pairs, out_width), bounds)
+
+        def direct(pairs):
+            return _convolve(pairs[:, :, 0], pairs[:, :, 1], out_width)
+
+        merged = _by_rule(fft, by_fft, direct, pairs)
+    else:
+        merged = _convolve(pairs[:, :, 0], pairs[:, :, 1], out_width)
+    return _rescale(merged)
+
+
+def _parent_bounds(bounds: jax.Array) -> jax.Array:
+    """The bounds of the parents of nodes (batch, 2 parents, 2): their children's sums."""
+    return bounds.reshape(bounds.shape[0], -1, 2, 2).sum(2)
+
+
+def _with_empty_nodes(tables: jax.Array, bounds: jax.Array | None, count: int):
+    """``count`` tables of an empty set (``[1, 0, ...]``, bounds 0) appended to the nodes."""
+    batch, _, width = tables.shape
+    empty = jnp.zeros((batch, count, width), tables.dtype).at[..., 0].set(1.0)
+    tables = jnp.concatenate([tables, empty], axis=1)
+    if bounds is not None:
+        bounds = jnp.pad(bounds, ((0, 0), (0, count), (0, 0)))
+    return tables, bounds
+
+
 def _upward(tables: jax.Array, k_max: int, fft: jax.Array | bool | None):
     """Merge pairs of nodes until one is left. ``tables``: (batch, nodes, width).
     ``fft``: None if no level is wide enough for the FFT path; True if the levels at least
     ``_FFT_WIDTH`` wide take it; else a boolean scalar on the device: whether they take it
-    (``lax.cond``, the direct sums otherwise)."""
+    (``lax.cond``, the direct sums otherwise). The top levels whose tables are all
+    ``k_max + 1`` wide run in one ``lax.scan`` (``_Loop``)."""
     levels = []
     log_scale = jnp.zeros(tables.shape[0], wide_dtype(tables.dtype))
     if fft is not None:
-        # Degree bounds of every node: a leaf can be off unless its flushed off-weight is
-        # zero, and on unless its on-weight is zero; a parent's bounds are the sums of its
-        # children's (not truncated at k_max: the downward pass takes the rest's bounds as
-        # the root's minus a node's).
-        low = (tables[..., 0] == 0).astype(jnp.int32)
-        high = (tables[..., 1] > 0).astype(jnp.int32) if tables.shape[-1] > 1 else low * 0
+        # Lowest and highest possible count of every leaf: it can be off unless its flushed
+        # off-weight is zero, and on unless its on-weight is zero. A node's bounds are the
+        # sums over its leaves (not truncated at k_max: the downward pass takes the rest's
+        # bounds as the root's minus a node's), needed from the first FFT level up.
+        off = tables[..., 0] == 0
+        on = tables[..., 1] > 0 if tables.shape[-1] > 1 else jnp.zeros_like(off)
+        leaf_bounds = jnp.stack([off, on], axis=-1).astype(jnp.int32)
+    bounds = None
+    span = 1  # leaves per node
     while tables.shape[1] > 1:
         batch, nodes, width = tables.shape
-        padded = nodes % 2 == 1
-        if padded:  # pair the last node with the table of an empty set, [1, 0, ...]
-            empty = jnp.zeros((batch, 1, width), tables.dtype).at[..., 0].set(1.0)
-            tables = jnp.concatenate([tables, empty], axis=1)
-        pairs = tables.reshape(batch, -1, 2, width)
-        left, right = pairs[:, :, 0], pairs[:, :, 1]
         out_width = min(2 * (width - 1), k_max) + 1
-        children = ()
-        if fft is not None:
-            if padded:
-                low, high = _pad_last(low, 0, 1), _pad_last(high, 0, 1)
-            children = (low, high)
-            low, high = (t.reshape(batch, -1, 2).sum(-1) for t in children)
-        if fft is not None and out_width >= _fft_width(fft):
-
-            def by_fft(left, right, low=low, high=high, out_width=out_width):
-                return _mask_outside(_convolve_by_fft(left, right, out_width), low, high)
-
-            def direct(left, right, out_width=out_width):
-                return _convolve(left, right, out_width)
-
-            merged = _by_rule(fft, by_fft, direct, left, right)
-            levels.append(_Level(left, right, padded, *children))
-        else:
-            merged = _convolve(left, right, out_width)
-            levels.append(_Level(left, right, padded))
-        tables, log_factor = _rescale(merged)
+        if fft is not None and bounds is None and out_width >= _fft_width(fft):
+            # The children's bounds from their leaves in one kernel (a kernel per level
+            # below costs compile time; see _LOOP_NODES).
+            leaf_bounds = jnp.pad(
+                leaf_bounds, ((0, 0), (0, nodes * span - leaf_bounds.shape[1]), (0, 0))
+            )
+            bounds = leaf_bounds.reshape(batch, nodes, span, 2).sum(2)
+        if width == k_max + 1 and nodes <= _LOOP_NODES and nodes > 2 ** (_LOOP_MIN_STEPS - 1):
+            tables, loop, loop_log_scale = _upward_loop(tables, bounds, fft)
+            levels.append(loop)
+            log_scale = log_scale + loop_log_scale
+            break
+        padded = nodes % 2 == 1
+        if padded:
+            tables, bounds = _with_empty_nodes(tables, bounds, 1)
+        pairs = tables.reshape(batch, -1, 2, width)
+        children = bounds
+        if bounds is not None:
+            bounds = _parent_bounds(bounds)
+        tables, log_factor = _merge(pairs, bounds, out_width, fft)
         log_scale = log_scale + log_factor.astype(log_scale.dtype).sum(-1)
+        levels.append(_Level(pairs[:, :, 0], pairs[:, :, 1], padded, children))
+        span *= 2
     return tables[:, 0], levels, log_scale
+
+
+class _Loop(NamedTuple):
+    """The top levels of the tree, all ``k_max + 1`` wide, as one ``lax.scan`` of fixed
+    shape, so that they compile once instead of once per level (compile time is what limits
+    the JAX kernels; benchmarks/README.md). ``nodes`` nodes enter, followed by tables of an
+    empty set up to ``2 ** steps``; step s merges nodes 2j and 2j + 1 of its buffer into node j
+    and fills the upper half with empty tables again, so the root is node 0 after the last
+    step. ``left``, ``right``: each step's children, (steps, batch, 2 ** (steps - 1), width);
+    ``bounds``: each step's children's bounds, (steps, batch, 2 ** steps, 2), or None. Every
+    step merges ``2 ** (steps - 1)`` pairs, most of them empty: at most ``_LOOP_NODES`` nodes
+    enter, so the extra work is a few hundred merges whatever n."""
+
+    left: jax.Array
+    right: jax.Array
+    nodes: int
+    bounds: jax.Array | None
+
+
+def _upward_loop(tables: jax.Array, bounds: jax.Array | None, fft):
+    batch, nodes, width = tables.shape
+    steps = (nodes - 1).bit_length()
+    half = 2 ** (steps - 1)
+    tables, bounds = _with_empty_nodes(tables, bounds, 2 * half - nodes)
+    wide = wide_dtype(tables.dtype)
+
+    def step(carry, _):
+        tables, bounds = carry
+        pairs = tables.reshape(batch, half, 2, width)
+        children = bounds
+        if bounds is not None:
+            bounds = _parent_bounds(bounds)
+        merged, log_factor = _merge(pairs, bounds, width, fft)
+        merged, bounds = _with_empty_nodes(merged, bounds, half)
+        out = (pairs[:, :, 0], pairs[:, :, 1], children, log_factor.astype(wide).sum(-1))
+        return (merged, bounds), out
+
+    (tables, _), (left, right, children, log_factors) = lax.scan(
+        step, (tables, bounds), length=steps
+    )
+    return tables[:, :1], _Loop(left, right, nodes, children), log_factors.sum(0)
+
+
+def _outside_of_children(outside, left, right, bounds, k, total, fft) -> jax.Array:
+    """One level of the downward pass: the rescaled outside tables of the children (batch,
+    2 nodes, width) from their parents' (batch, nodes, width of a parent). ``bounds``: the
+    children's (batch, 2 nodes, 2), ``total``: the root's (batch, 1, 2), or both None."""
+    batch, nodes, width = left.shape
+    # Both children at once: the left one's sibling is `right` and vice versa.
+    siblings = jnp.stack([right, left], axis=2)
+    both = jnp.broadcast_to(outside[:, :, None], (batch, nodes, 2, outside.shape[-1]))
+    if bounds is not None:
+        # outside[a] is proportional to P(rest = k - a): possible only for
+        # low_rest <= k - a <= high_rest, and a child's own entry a only for
+        # low <= a <= high.
+        k_column = k[:, None].astype(bounds.dtype)
+        rest = total - bounds  # the rest's (low, high)
+        bounds = jnp.stack(
+            [
+                jnp.maximum(bounds[..., 0], k_column - rest[..., 1]),
+                jnp.minimum(bounds[..., 1], k_column - rest[..., 0]),
+            ],
+            axis=-1,
+        ).reshape(batch, nodes, 2, 2)
+
+        def by_fft(both, siblings):
+            return _mask_outside(_correlate_by_fft(both, siblings, width), bounds)
+
+        def direct(both, siblings):
+            return _correlate(both, siblings, width)
+
+        tables = _by_rule(fft, by_fft, direct, both, siblings)
+    else:
+        tables = _correlate(both, siblings, width)
+    outside, _ = _rescale(tables)
+    return outside.reshape(batch, 2 * nodes, width)
 
 
 def _downward(root_width: int, levels, k: jax.Array, dtype, fft) -> jax.Array:
@@ -496,37 +632,33 @@ def _downward(root_width: int, levels, k: jax.Array, dtype, fft) -> jax.Array:
     ``fft``: as for ``_upward``."""
     outside = jax.nn.one_hot(k, root_width, dtype=dtype)[:, None, :]
     total = None
+    if levels and levels[-1].bounds is not None:  # the root's: the sums over its children
+        top = levels[-1].bounds
+        total = (top[-1] if isinstance(levels[-1], _Loop) else top).sum(1, keepdims=True)
     for level in reversed(levels):
-        left, right, padded = level.left, level.right, level.padded
-        batch, nodes, width = left.shape
-        # Both children at once: the left one's sibling is `right` and vice versa.
-        siblings = jnp.stack([right, left], axis=2)
-        both = jnp.broadcast_to(outside[:, :, None], (batch, nodes, 2, outside.shape[-1]))
-        if level.low is not None:
-            if total is None:  # the root's bounds: the sums over its two children
-                total = (level.low.sum(-1, keepdims=True), level.high.sum(-1, keepdims=True))
-            # outside[a] is proportional to P(rest = k - a): possible only for
-            # low_rest <= k - a <= high_rest, and a child's own entry a only for
-            # low <= a <= high.
-            k_column = k[:, None].astype(level.low.dtype)
-            low = jnp.maximum(level.low, k_column - (total[1] - level.high))
-            high = jnp.minimum(level.high, k_column - (total[0] - level.low))
-            low, high = low.reshape(batch, nodes, 2), high.reshape(batch, nodes, 2)
-
-            def by_fft(both, siblings, low=low, high=high, width=width):
-                return _mask_outside(_correlate_by_fft(both, siblings, width), low, high)
-
-            def direct(both, siblings, width=width):
-                return _correlate(both, siblings, width)
-
-            tables = _by_rule(fft, by_fft, direct, both, siblings)
-        else:
-            tables = _correlate(both, siblings, width)
-        outside, _ = _rescale(tables)
-        outside = outside.reshape(batch, 2 * nodes, width)
-        if padded:
+        if isinstance(level, _Loop):
+            outside = _downward_loop(outside, level, k, total, fft)
+            continue
+        outside = _outside_of_children(
+            outside, level.left, level.right, level.bounds, k, total, fft
+        )
+        if level.padded:
             outside = outside[:, :-1]
     return outside
+
+
+def _downward_loop(root_outside, loop: _Loop, k, total, fft) -> jax.Array:
+    """``_downward`` through a ``_Loop``: the outside tables of the nodes that entered it."""
+    _, batch, half, width = loop.left.shape
+    start = jnp.zeros((batch, 2 * half, width), root_outside.dtype)
+    start = start.at[:, :1].set(root_outside)
+
+    def step(outside, level):
+        left, right, bounds = level
+        return _outside_of_children(outside[:, :half], left, right, bounds, k, total, fft), None
+
+    levels = (loop.left, loop.right, loop.bounds)
+    return lax.scan(step, start, levels, reverse=True)[0][:, : loop.nodes]
 
 
 def _prepare(logits: jax.Array, k: jax.Array, k_max: int, for_marginals: bool):
@@ -798,13 +930,20 @@ def _marginals_and_complements(logits, k, k_max: int):
 
 
 def _prefix_sums(weight: jax.Array) -> jax.Array:
-    """Inclusive prefix sums along the last axis (at most ``_PREFIX_BLOCK ** 2`` wide) as
-    products with triangular matrices of ones: within blocks of ``_PREFIX_BLOCK``, then the
-    sums of the blocks before. A ``cumsum`` compiles on XLA's CPU backend into a tree of about
-    a dozen kernels (its reduce-window rewrite), these products into two or three; their
-    extra multiply-adds (``_PREFIX_BLOCK`` per entry) cost less at run time than that
-    tree's passes. ``HIGHEST`` precision: a GPU's default float32 product rounds to 10 bits."""
+    """Inclusive prefix sums along the last axis (at most ``_PREFIX_BLOCK ** 2`` wide),
+    without ``cumsum``, which compiles on XLA's CPU backend into a tree of about a dozen
+    kernels (its reduce-window rewrite). Up to ``_UNROLLED_PREFIX_WIDTH`` wide, as a chain of
+    additions that XLA fuses into the kernel that uses them; wider, as products with
+    triangular matrices of ones: within blocks of ``_PREFIX_BLOCK``, then the sums of the
+    blocks before (two or three kernels; their extra multiply-adds, ``_PREFIX_BLOCK`` per
+    entry, cost less at run time than the tree's passes). ``HIGHEST`` precision: a GPU's
+    default float32 product rounds to 10 bits."""
     width = weight.shape[-1]
+    if width <= _UNROLLED_PREFIX_WIDTH:
+        sums = [weight[..., 0]]
+        for entry in range(1, width):
+            sums.append(sums[-1] + weight[..., entry])
+        return jnp.stack(sums, axis=-1)
     block = min(width, _PREFIX_BLOCK)
     blocks = -(-width // block)
     tiled = _pad_last(weight, 0, blocks * block - width)
@@ -841,58 +980,86 @@ def _draw(key: jax.Array, root_k: jax.Array, levels, num_samples: int) -> jax.Ar
     weight zero."""
     counts = jnp.broadcast_to(root_k, (num_samples,) + root_k.shape)[..., None]
     # All random numbers drawn at once: a random call per level multiplies compile time.
-    shapes = [level.left.shape for level in levels]
-    races = [_races(shape, num_samples) for shape in shapes]
+    shapes = [level.left.shape for level in levels]  # (steps,) batch, nodes, width
+    races = [_races(shape[-3:], num_samples) for shape in shapes]
     sizes = [
-        nodes * (width if race else 1)
-        for (_, nodes, width), race in zip(shapes, races, strict=True)
+        math.prod(shape[:-3]) * shape[-2] * (shape[-1] if race else 1)
+        for shape, race in zip(shapes, races, strict=True)
     ]
     dtype = levels[0].left.dtype if levels else jnp.float32
     uniforms = jax.random.uniform(key, counts.shape[:-1] + (sum(sizes),), dtype=dtype)
     used = 0
     for level, size, race in zip(*(reversed(t) for t in (levels, sizes, races)), strict=True):
-        left, right, padded = level.left, level.right, level.padded
-        w_left, w_right = left.shape[-1], right.shape[-1]
         uniform = uniforms[..., used : used + size]
         used += size
-        rest = counts[..., None] - jnp.arange(w_left, dtype=counts.dtype)  # right's share
-        possible = (rest >= 0) & (rest < w_right)
-        right_at_rest = jnp.take_along_axis(
-            jnp.broadcast_to(right, (num_samples,) + right.shape),
-            jnp.clip(rest, 0, w_right - 1),
-            axis=-1,
-        )
-        weight = jnp.where(possible, left * right_at_rest, 0.0)
-        if race:
-            exponential = -jnp.log1p(-uniform.reshape(weight.shape))  # in [0, inf)
-            score = jnp.where(weight > 0, weight / exponential, -1.0)
-            ones_left = jnp.argmax(score, axis=-1).astype(counts.dtype)
-        else:
-            cumulative = _prefix_sums(weight)
-            threshold = uniform[..., None] * cumulative[..., -1:]
-            # The first split of positive weight whose prefix sum exceeds u * total. Rounding
-            # can give a split of weight zero a larger prefix sum than its predecessor's (the
-            # sums are computed independently), or put u * total at the total (then the last
-            # split of positive weight).
-            # (Plain min and max reductions: an argmax compiles into a slower variadic one.)
-            index = jnp.arange(w_left, dtype=counts.dtype)
-            above = (cumulative > threshold) & (weight > 0)
-            first_above = jnp.where(above, index, w_left).min(-1)
-            last_possible = jnp.where(weight > 0, index, 0).max(-1)
-            ones_left = jnp.minimum(first_above, last_possible).astype(counts.dtype)
-        if level.low is not None:
-            # FFT levels: keep the draw among the splits both children can hold (noise
-            # could otherwise, with a probability of the order of the noise, lead to a
-            # parent count whose splits all have weight zero).
-            low, high = (t.reshape(t.shape[0], -1, 2).astype(counts.dtype) for t in level[3:])
-            first = jnp.maximum(low[..., 0], counts - high[..., 1])
-            last = jnp.minimum(high[..., 0], counts - low[..., 1])
-            ones_left = jnp.clip(ones_left, first, last)
-        counts = jnp.stack([ones_left, counts - ones_left], axis=-1)
-        counts = counts.reshape(counts.shape[:-2] + (-1,))
-        if padded:
+        if isinstance(level, _Loop):
+            counts = _draw_loop(counts, level, uniform, race)
+            continue
+        counts = _split(counts, level.left, level.right, level.bounds, uniform, race)
+        if level.padded:
             counts = counts[..., :-1]
     return counts
+
+
+def _draw_loop(root_counts: jax.Array, loop: _Loop, uniform: jax.Array, race: bool):
+    """``_draw`` through a ``_Loop``: the counts of the nodes that entered it."""
+    steps, _, half, _ = loop.left.shape
+    start = jnp.zeros(root_counts.shape[:-1] + (2 * half,), root_counts.dtype)
+    start = start.at[..., :1].set(root_counts)
+    uniform = jnp.moveaxis(uniform.reshape(uniform.shape[:-1] + (steps, -1)), -2, 0)
+
+    def step(counts, level):
+        return _split(counts[..., :half], *level, race), None
+
+    levels = (loop.left, loop.right, loop.bounds, uniform)
+    return lax.scan(step, start, levels, reverse=True)[0][..., : loop.nodes]
+
+
+def _split(counts, left, right, bounds, uniform, race: bool) -> jax.Array:
+    """One level of ``_draw``: the children's counts (num_samples, batch, 2 nodes) from their
+    parents' (num_samples, batch, nodes); ``bounds``: the children's (batch, 2 nodes, 2) or
+    None; ``uniform``: the level's random numbers, (num_samples, batch, nodes * (width if
+    race else 1))."""
+    num_samples = counts.shape[0]
+    w_left, w_right = left.shape[-1], right.shape[-1]
+    rest = counts[..., None] - jnp.arange(w_left, dtype=counts.dtype)  # right's share
+    possible = (rest >= 0) & (rest < w_right)
+    right_at_rest = jnp.take_along_axis(
+        jnp.broadcast_to(right, (num_samples,) + right.shape),
+        jnp.clip(rest, 0, w_right - 1),
+        axis=-1,
+    )
+    weight = jnp.where(possible, left * right_at_rest, 0.0)
+    if race:
+        exponential = -jnp.log1p(-uniform.reshape(weight.shape))  # in [0, inf)
+        score = jnp.where(weight > 0, weight / exponential, -1.0)
+        ones_left = jnp.argmax(score, axis=-1).astype(counts.dtype)
+    else:
+        cumulative = _prefix_sums(weight)
+        threshold = uniform[..., None] * cumulative[..., -1:]
+        # The first split of positive weight whose prefix sum exceeds u * total. Rounding
+        # can give a split of weight zero a larger prefix sum than its predecessor's (the
+        # sums are computed independently), or put u * total at the total: then the last
+        # split of positive weight. Both in one min reduction (an argmax or a second
+        # reduction compiles into more kernels): splits above the threshold rank first by
+        # index, then the others of positive weight by descending index.
+        index = jnp.arange(w_left, dtype=counts.dtype)
+        positive = weight > 0
+        rank = jnp.where(positive, 2 * w_left - index, 3 * w_left)
+        rank = jnp.where((cumulative > threshold) & positive, index, rank).min(-1)
+        ones_left = jnp.where(rank < w_left, rank, jnp.maximum(2 * w_left - rank, 0))
+    if bounds is not None:
+        # FFT levels: keep the draw among the splits both children can hold (noise could
+        # otherwise, with a probability of the order of the noise, lead to a parent count
+        # whose splits all have weight zero).
+        bounds = bounds.astype(counts.dtype)
+        low = bounds[..., 0].reshape(bounds.shape[0], -1, 2)
+        high = bounds[..., 1].reshape(bounds.shape[0], -1, 2)
+        first = jnp.maximum(low[..., 0], counts - high[..., 1])
+        last = jnp.minimum(high[..., 0], counts - low[..., 1])
+        ones_left = jnp.clip(ones_left, first, last)
+    counts = jnp.stack([ones_left, counts - ones_left], axis=-1)
+    return counts.reshape(counts.shape[:-2] + (-1,))
 
 
 def _sample_and_maybe_marginals(key, logits, k, k_max, sample_shape, with_marginals):

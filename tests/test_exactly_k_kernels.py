@@ -434,6 +434,88 @@ def test_fft_path_samples_are_exact_and_match_the_marginals(framework):
     assert np.all(np.abs(frequency - mu) <= 5.0 * standard_error + 2.0 / num_samples)
 
 
+def _jax_tree(logits, ks, k_max, for_marginals):
+    """The JAX tree's levels (shapes only) for these inputs, padded to their size bucket."""
+    x, k_max, _ = jax_kernels._to_bucket(jnp.asarray(logits), k_max)
+    return jax.eval_shape(
+        lambda x: jax_kernels._prepare(x, jnp.asarray(ks), k_max, for_marginals)[4], x
+    )
+
+
+@pytest.mark.parametrize(
+    "k_max, ks", [(64, [20, 40, 64]), (256, [130, 200, 256]), (512, [300, 400, 500])]
+)
+def test_jax_top_levels_loop_matches_the_recursion_and_the_direct_path(monkeypatch, k_max, ks):
+    """n = 2600 (bucket 3072) with k_max 64, 256 and 512: the top levels, all k_max + 1 wide,
+    run in one ``lax.scan`` (``_Loop``, 48, 12 and 6 nodes entering it, padded with empty
+    tables to a power of two), by the direct sums (64), by FFT for the normaliser and draws
+    only (256) or everywhere (512, a ``lax.cond`` inside the loop for the marginals). Logits
+    ~ N(-1, 20^2) with never (-inf, -1e4) and always (+1e4) selected entries, against the
+    log-space recursion, the torch kernels' direct path, float32, and 2000 draws per row
+    through each of the loop's two split rules (inverse CDF and exponential race), whose
+    frequencies must match the marginals."""
+    rng = np.random.default_rng(600 + k_max)
+    logits = rng.normal(-1.0, 20.0, size=(3, 2600))
+    logits[:, :5] = -np.inf
+    logits[:, 5:10] = -1e4
+    logits[:, 10:15] = 1e4
+    ks = np.array(ks)
+    for for_marginals in (True, False):
+        top = _jax_tree(logits, ks, k_max, for_marginals)[-1]
+        assert isinstance(top, jax_kernels._Loop) and top.left.shape[-1] == k_max + 1
+        wide = k_max + 1 >= jax_kernels._fft_width(not for_marginals)
+        assert (top.bounds is not None) == wide
+    log_norm, mu = _run("jax", logits, ks, k_max)
+    _, mu32 = _run("jax", logits.astype(np.float32), ks, k_max)
+    direct_log_norm, direct_mu = _torch_direct(monkeypatch, logits, ks, k_max)
+    for row, k in enumerate(ks):
+        expected = oracle.log_elementary_symmetric(logits[row][logits[row] > -np.inf], k)[k]
+        assert abs(log_norm[row] - expected) < 1e-12 * abs(expected)
+        indices = np.r_[np.argsort(mu[row])[15:19], 10, 100, 1000, 2599]
+        reference = oracle.exactly_k_log_marginals(logits[row], k, indices)
+        np.testing.assert_allclose(np.log(mu[row, indices]), reference, rtol=0, atol=2e-10)
+    np.testing.assert_allclose(mu, direct_mu, rtol=1e-11, atol=1e-300)
+    np.testing.assert_allclose(log_norm, direct_log_norm, rtol=1e-14, atol=0)
+    for marginals in (mu, mu32):
+        assert not marginals[:, :10].any() and (marginals[:, 10:15] == 1.0).all()
+    assert np.abs(mu32 - mu).max() < 1e-5
+    num_samples = 2000
+    x, ks_array = jnp.asarray(logits), jnp.asarray(ks)
+    keys = jax.random.split(jax.random.PRNGKey(5), num_samples)
+    by_prefix = jax_kernels.sample(keys[0], x, ks_array, k_max, (num_samples,))
+    by_race = jax.vmap(lambda key: jax_kernels.sample(key, x, ks_array, k_max))(keys)
+    # Frequencies against the marginals, pooled over the coordinates whose marginal is
+    # between 0.05 and 0.95 (where the binomial is near normal): the mean squared z-score is
+    # 1 within 5 of its standard errors, and no z-score passes 6.
+    moderate = (mu > 0.05) & (mu < 0.95)
+    standard_error = np.sqrt(mu * (1.0 - mu) / num_samples)[moderate]
+    for samples in (np.asarray(by_prefix), np.asarray(by_race)):
+        assert np.array_equal(samples.sum(-1), np.broadcast_to(ks, (num_samples, 3)).astype(float))
+        assert not samples[..., :10].any() and samples[..., 10:15].all()
+        z = (samples.mean(0) - mu)[moderate] / standard_error
+        assert abs(np.mean(z**2) - 1.0) < 5.0 * np.sqrt(2.0 / z.size) and np.abs(z).max() < 6.0
+
+
+def test_jax_top_levels_loop_samples_follow_the_enumerated_pmf():
+    """n = 20 (bucket 32), k = 2, 3, 4 (k_max 4): eight nodes of 5-wide tables enter the
+    loop of the top levels. 20000 draws per row, through the loop's inverse CDF (one call)
+    and its exponential race (a vmap over keys: one draw per call), against the enumerated
+    pmf by chi-square; one row has a -inf logit."""
+    rng = np.random.default_rng(13)
+    logits = rng.normal(0.0, 1.5, size=(3, 20))
+    logits[2, 7] = -np.inf
+    ks = np.array([2, 3, 4])
+    assert isinstance(_jax_tree(logits, ks, 4, False)[-1], jax_kernels._Loop)
+    num_samples = 20000
+    x, ks_array = jnp.asarray(logits), jnp.asarray(ks)
+    keys = jax.random.split(jax.random.PRNGKey(6), num_samples)
+    by_prefix = jax_kernels.sample(keys[0], x, ks_array, 4, (num_samples,))
+    by_race = jax.vmap(lambda key: jax_kernels.sample(key, x, ks_array, 4))(keys)
+    for samples in (np.asarray(by_prefix), np.asarray(by_race)):
+        for row, k in enumerate(ks):
+            assert oracle.chi_square_pvalue(samples[:, row], logits[row], k) > 1e-3
+
+
 def test_torch_fft_path_cost_does_not_grow_with_k(monkeypatch):
     """Marginals at n = 20000, k = 10000 (k_max 16384) and k = 1000 (k_max 1024), counted
     rather than timed: every level whose tables are at least ``_FFT_WIDTH`` wide goes by FFT
