@@ -423,7 +423,7 @@ def _rescale(table: jax.Array) -> tuple[jax.Array, jax.Array]:
     largest = jnp.maximum(lax.stop_gradient(table).max(-1, keepdims=True), tiny)
     # 2^-e from the bits of the largest entry (jnp.frexp and jnp.ldexp compile into a kernel
     # per node of their own): its biased exponent field is e + bias, 2^-e's is bias - e.
-    bits = jnp.int64 if info.bits == 64 else jnp.int32
+    bits = {16: jnp.int16, 32: jnp.int32, 64: jnp.int64}[info.bits]
     field = lax.bitcast_convert_type(largest, bits) >> info.nmant  # e + bias (largest > 0)
     bias = 2 ** (info.nexp - 1) - 1
     scale = lax.bitcast_convert_type((2 * bias - field) << info.nmant, table.dtype)

@@ -516,6 +516,17 @@ def test_jax_top_levels_loop_samples_follow_the_enumerated_pmf():
             assert oracle.chi_square_pvalue(samples[:, row], logits[row], k) > 1e-3
 
 
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_jax_half_precision_logits_draw_exactly_k_and_match_float32_marginals(dtype):
+    """The tables' power-of-two rescaling reads the float's exponent bits for any width."""
+    logits = jnp.linspace(-2.0, 2.0, 12)[None]
+    ks = jnp.array([3])
+    draws = jax_kernels.sample(jax.random.PRNGKey(0), logits.astype(dtype), ks, 3, (20,))
+    assert draws.dtype == dtype and bool((draws.astype(jnp.float32).sum(-1) == 3).all())
+    mu = jax_kernels.marginals(logits.astype(dtype), ks, 3).astype(jnp.float32)
+    assert np.abs(np.asarray(mu - jax_kernels.marginals(logits, ks, 3))).max() < 0.05
+
+
 def test_torch_fft_path_cost_does_not_grow_with_k(monkeypatch):
     """Marginals at n = 20000, k = 10000 (k_max 16384) and k = 1000 (k_max 1024), counted
     rather than timed: every level whose tables are at least ``_FFT_WIDTH`` wide goes by FFT
