@@ -175,7 +175,7 @@ _BLOCKED_PREFIX_MIN_ENTRIES = 2**18
 # _LOOP_ENTRIES table entries are left, if that saves at least _LOOP_MIN_STEPS levels: each
 # step then merges as many pairs as the first, mostly of empty tables, instead of halving,
 # and the scan compiles once instead of once per level (jit(sample) at n = 1e5: 2.2-2.4 s of
-# compilation before, 1.6-1.8 s after, at k = 10 and k = 1000). The entries bound keeps that
+# compilation before, 1.6-1.8 s after, on the idle machine). The entries bound keeps that
 # wasted work small next to a level's: with 64 nodes of 1025-wide tables, the marginals at
 # n = 1e4 to 1e6, k = 1000 ran 10% to 30% slower.
 _LOOP_NODES = 64
@@ -567,7 +567,8 @@ class _Loop(NamedTuple):
     step. ``left``, ``right``: each step's children, (steps, batch, 2 ** (steps - 1), width);
     ``bounds``: each step's children's bounds, (steps, batch, 2 ** steps, 2), or None. Every
     step merges ``2 ** (steps - 1)`` pairs, most of them empty: at most ``_LOOP_NODES`` nodes
-    enter, so the extra work is a few hundred merges whatever n."""
+    holding at most ``_LOOP_ENTRIES`` table entries enter, so the extra work is a few times
+    one level's entries whatever n."""
 
     left: jax.Array
     right: jax.Array
