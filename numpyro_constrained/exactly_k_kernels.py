@@ -100,8 +100,9 @@ have different shapes (nodes halve, widths grow): 17 levels at n = 1e5, each a h
 kernels per pass, with both branches of every wide level's ``lax.cond`` compiled where
 marginals are computed. Hence: the normaliser and the draws build no ``lax.cond`` (above);
 a sample that is not differentiated computes no marginals (``sample_straight_through``);
-the top levels whose tables are all ``k_max + 1`` wide, once at most ``_LOOP_NODES`` nodes
-are left, run in one ``lax.scan`` of fixed shape (``_Loop``); the node bounds of the FFT
+the top levels whose tables are all ``k_max + 1`` wide, once few nodes and table entries
+are left (``_LOOP_NODES``, ``_LOOP_ENTRIES``), run in one ``lax.scan`` of fixed shape
+(``_Loop``); the node bounds of the FFT
 path are one array, computed from the leaves at the first FFT level; an FFT level
 transforms both children in one call; tables are rescaled by powers of two, which XLA
 fuses into their consumers (a division by the largest entry compiles into a reciprocal
@@ -510,8 +511,8 @@ def _with_empty_nodes(tables: jax.Array, bounds: jax.Array | None, count: int):
 def _upward(tables: jax.Array, k_max: int, fft: jax.Array | bool | None):
     """Merge pairs of nodes until one is left. ``tables``: (batch, nodes, width).
     ``fft``: None if no level is wide enough for the FFT path; True if the levels at least
-    ``_FFT_WIDTH`` wide take it; else a boolean scalar on the device: whether they take it
-    (``lax.cond``, the direct sums otherwise). The top levels whose tables are all
+    ``_fft_width(fft)`` wide take it; else a boolean scalar on the device: whether they take
+    it (``lax.cond``, the direct sums otherwise). The top levels whose tables are all
     ``k_max + 1`` wide run in one ``lax.scan`` (``_Loop``)."""
     levels = []
     log_scale = jnp.zeros(tables.shape[0], wide_dtype(tables.dtype))
@@ -530,7 +531,7 @@ def _upward(tables: jax.Array, k_max: int, fft: jax.Array | bool | None):
         out_width = min(2 * (width - 1), k_max) + 1
         if fft is not None and bounds is None and out_width >= _fft_width(fft):
             # The children's bounds from their leaves in one kernel (a kernel per level
-            # below costs compile time; see _LOOP_NODES).
+            # below would cost compile time; see "Compile time" in the module docstring).
             leaf_bounds = jnp.pad(
                 leaf_bounds, ((0, 0), (0, nodes * span - leaf_bounds.shape[1]), (0, 0))
             )
