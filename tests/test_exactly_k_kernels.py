@@ -324,12 +324,17 @@ def _fft_problem():
     with entries that are never (-inf, -1e4 below the others) or always (+1e4) selected, which
     FFT rounding must not disturb: their marginals are exactly 0 and 1, and a sample never or always
     holds them."""
-    rng = np.random.default_rng(500)
-    logits = rng.normal(-1.0, 20.0, size=(3, 1100))
+    return _masked_and_forced(np.random.default_rng(500), 1100), np.array([130, 550, 950])
+
+
+def _masked_and_forced(rng, n):
+    """(3, n) logits ~ N(-1, 20^2) whose entries 0-4 are -inf and 5-9 are -1e4 (never
+    selected), and 10-14 are +1e4 (always selected)."""
+    logits = rng.normal(-1.0, 20.0, size=(3, n))
     logits[:, :5] = -np.inf
     logits[:, 5:10] = -1e4
     logits[:, 10:15] = 1e4
-    return logits, np.array([130, 550, 950])
+    return logits
 
 
 def _torch_direct(monkeypatch, logits, ks, k_max):
@@ -434,6 +439,17 @@ def test_fft_path_samples_are_exact_and_match_the_marginals(framework):
     assert np.all(np.abs(frequency - mu) <= 5.0 * standard_error + 2.0 / num_samples)
 
 
+def _jax_draws_by_both_split_rules(logits, ks, k_max, num_samples, seed):
+    """``num_samples`` JAX draws from one call (many table entries per level: the inverse
+    CDF) and from a vmap over keys (one draw per call: the exponential race on small levels),
+    each (num_samples, batch, n)."""
+    x, ks = jnp.asarray(logits), jnp.asarray(ks)
+    keys = jax.random.split(jax.random.PRNGKey(seed), num_samples)
+    by_prefix = jax_kernels.sample(keys[0], x, ks, k_max, (num_samples,))
+    by_race = jax.vmap(lambda key: jax_kernels.sample(key, x, ks, k_max))(keys)
+    return np.asarray(by_prefix), np.asarray(by_race)
+
+
 def _jax_tree(logits, ks, k_max, for_marginals):
     """The JAX tree's levels (shapes only) for these inputs, padded to their size bucket."""
     x, k_max, _ = jax_kernels._to_bucket(jnp.asarray(logits), k_max)
@@ -454,11 +470,7 @@ def test_jax_top_levels_loop_matches_the_recursion_and_the_direct_path(monkeypat
     log-space recursion, the torch kernels' direct path, float32, and 2000 draws per row
     through each of the loop's two split rules (inverse CDF and exponential race), whose
     frequencies must match the marginals."""
-    rng = np.random.default_rng(600 + k_max)
-    logits = rng.normal(-1.0, 20.0, size=(3, 2600))
-    logits[:, :5] = -np.inf
-    logits[:, 5:10] = -1e4
-    logits[:, 10:15] = 1e4
+    logits = _masked_and_forced(np.random.default_rng(600 + k_max), 2600)
     ks = np.array(ks)
     for for_marginals in (True, False):
         top = _jax_tree(logits, ks, k_max, for_marginals)[-1]
@@ -480,16 +492,12 @@ def test_jax_top_levels_loop_matches_the_recursion_and_the_direct_path(monkeypat
         assert not marginals[:, :10].any() and (marginals[:, 10:15] == 1.0).all()
     assert np.abs(mu32 - mu).max() < 1e-5
     num_samples = 2000
-    x, ks_array = jnp.asarray(logits), jnp.asarray(ks)
-    keys = jax.random.split(jax.random.PRNGKey(5), num_samples)
-    by_prefix = jax_kernels.sample(keys[0], x, ks_array, k_max, (num_samples,))
-    by_race = jax.vmap(lambda key: jax_kernels.sample(key, x, ks_array, k_max))(keys)
     # Frequencies against the marginals, pooled over the coordinates whose marginal is
     # between 0.05 and 0.95 (where the binomial is near normal): the mean squared z-score is
     # 1 within 5 of its standard errors, and no z-score passes 6.
     moderate = (mu > 0.05) & (mu < 0.95)
     standard_error = np.sqrt(mu * (1.0 - mu) / num_samples)[moderate]
-    for samples in (np.asarray(by_prefix), np.asarray(by_race)):
+    for samples in _jax_draws_by_both_split_rules(logits, ks, k_max, num_samples, 5):
         assert np.array_equal(samples.sum(-1), np.broadcast_to(ks, (num_samples, 3)).astype(float))
         assert not samples[..., :10].any() and samples[..., 10:15].all()
         z = (samples.mean(0) - mu)[moderate] / standard_error
@@ -506,12 +514,7 @@ def test_jax_top_levels_loop_samples_follow_the_enumerated_pmf():
     logits[2, 7] = -np.inf
     ks = np.array([2, 3, 4])
     assert isinstance(_jax_tree(logits, ks, 4, False)[-1], jax_kernels._Loop)
-    num_samples = 20000
-    x, ks_array = jnp.asarray(logits), jnp.asarray(ks)
-    keys = jax.random.split(jax.random.PRNGKey(6), num_samples)
-    by_prefix = jax_kernels.sample(keys[0], x, ks_array, 4, (num_samples,))
-    by_race = jax.vmap(lambda key: jax_kernels.sample(key, x, ks_array, 4))(keys)
-    for samples in (np.asarray(by_prefix), np.asarray(by_race)):
+    for samples in _jax_draws_by_both_split_rules(logits, ks, 4, 20000, 6):
         for row, k in enumerate(ks):
             assert oracle.chi_square_pvalue(samples[:, row], logits[row], k) > 1e-3
 
@@ -619,15 +622,16 @@ def test_jax_size_buckets_pad_little_and_are_few():
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_jax_prefix_sums_match_cumsum(dtype):
-    """The sampler's prefix sums (triangular matrix products in blocks) against NumPy's
-    sequential cumsum in float64, for every width up to 1024 that changes the blocking, with
-    runs of exact zeros: each sum adds at most 2 B terms (B = 32 in its block, and B block
-    totals), so rounding stays within 2 B eps of the total, and a zero weight adds exactly
-    nothing within a block."""
+    """The sampler's prefix sums (unrolled up to ``_UNROLLED_PREFIX_WIDTH``, then triangular
+    matrix products in blocks) against NumPy's sequential cumsum in float64, for every width
+    up to 1024 that changes the method or the blocking, with runs of exact zeros: each sum
+    adds at most 2 B terms (B = 32 in its block, and B block totals), so rounding stays within
+    2 B eps of the total, and a zero weight adds exactly nothing within a block."""
     rng = np.random.default_rng(12)
     eps = np.finfo(dtype).eps
     block = jax_kernels._PREFIX_BLOCK
-    for width in (1, 2, 31, 32, 33, 64, 100, 513, 1000, 1024):
+    unrolled = jax_kernels._UNROLLED_PREFIX_WIDTH
+    for width in (1, 2, unrolled, unrolled + 1, 31, 32, 33, 64, 100, 513, 1000, 1024):
         weight = rng.exponential(size=(3, width)) * (rng.random((3, width)) < 0.7)
         weight = weight.astype(dtype)
         sums = np.asarray(jax_kernels._prefix_sums(jnp.asarray(weight)))
