@@ -24,6 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,6 +39,10 @@ def _run_script(name: str, *args: str) -> list[dict]:
     )
     # One thread per process (2 ranks, or JAX beside the test's own process on 2 cores).
     env["OMP_NUM_THREADS"] = "1"
+    # Compiled as the rest of the suite is (tests/conftest.py): with or without LLVM's
+    # optimisations, both the sharded and the single-device program.
+    if jax.config.read("jax_disable_most_optimizations"):
+        env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
     process = subprocess.Popen(
         [sys.executable, str(ROOT / "tests" / name), *args],
         cwd=ROOT,
