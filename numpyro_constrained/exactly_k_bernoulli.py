@@ -584,8 +584,8 @@ def _free_problem(logits: jax.Array, k: jax.Array, bound: int) -> _FreeProblem:
         valid = valid & (k == jnp.floor(k))
     k = jnp.where(valid, k, 0).astype(jnp.int32)
     forced_on = logits == jnp.inf
-    num_free = jnp.isfinite(logits).sum(-1)
-    k_free = k - forced_on.sum(-1).astype(k.dtype)
+    num_free = kernels.count(jnp.isfinite(logits))
+    k_free = k - kernels.count(forced_on).astype(k.dtype)
     infeasible = ~valid | (k_free < 0) | (k_free > num_free)
     k_free = jnp.clip(k_free, 0, num_free).astype(k.dtype)
     deterministic = (k_free == 0) | (k_free == num_free)
@@ -607,7 +607,7 @@ def _value_with_gradient_of(value: jax.Array, formula: jax.Array) -> jax.Array:
 def _complete(free, logits, problem: _FreeProblem, forced_on, forced_off, none_left):
     # Deterministic entries get exact values (and zero gradient, which is their derivative).
     free_mask = jnp.isfinite(logits)
-    value = jnp.where((problem.k == free_mask.sum(-1))[..., None], 1.0 - none_left, free)
+    value = jnp.where((problem.k == kernels.count(free_mask))[..., None], 1.0 - none_left, free)
     value = jnp.where((problem.k == 0)[..., None], none_left, value)
     value = jnp.where(free_mask, value, jnp.where(logits == jnp.inf, forced_on, forced_off))
     value = jnp.where(problem.infeasible[..., None], jnp.nan, value)
@@ -638,11 +638,12 @@ def _mode(logits: jax.Array, k: jax.Array) -> jax.Array:
 @jax.jit
 def _in_support(logits, k, value) -> jax.Array:
     """Whether ``value`` is k-hot with a 1 at every ``+inf`` logit and a 0 at every
-    ``-inf`` one."""
+    ``-inf`` one (``KHot``'s test and the infinite logits' in one count, see
+    ``kernels.count``)."""
     on = value == 1
-    in_support = KHot(k)(value)
-    in_support = in_support & ~jnp.any(on & (logits == -jnp.inf), axis=-1)
-    return in_support & ~jnp.any(~on & (logits == jnp.inf), axis=-1)
+    off = value == 0
+    wrong = ~(on | off) | (on & (logits == -jnp.inf)) | (off & (logits == jnp.inf))
+    return (kernels.count(wrong) == 0) & (value.sum(-1) == k)
 
 
 @jax.jit
@@ -682,6 +683,6 @@ def _kl(p_logits, p_mu, p_log_normalizer, q_logits, q_log_normalizer, exact, p_p
     kl = _value_with_gradient_of(exact, formula)
     forbidden = q_logits == -jnp.inf
     required = q_logits == jnp.inf
-    escapes = jnp.any((p_mu > 0) & forbidden, axis=-1) | jnp.any((p_mu < 1) & required, axis=-1)
+    escapes = kernels.count(((p_mu > 0) & forbidden) | ((p_mu < 1) & required)) > 0
     kl = jnp.where(escapes, jnp.inf, kl)
     return jnp.where(p_problem.infeasible | q_problem.infeasible, jnp.nan, kl)

@@ -106,7 +106,11 @@ are left (``_LOOP_NODES``, ``_LOOP_ENTRIES``), run in one ``lax.scan`` of fixed 
 path are one array, computed from the leaves at the first FFT level; an FFT level
 transforms both children in one call; tables are rescaled by powers of two, which XLA
 fuses into their consumers (a division by the largest entry compiles into a reciprocal
-kernel per level); and the sampler's inverse CDF takes its prefix sums unrolled (up to
+kernel per level); reductions are few and floating (XLA's CPU backend compiles an integer
+or boolean reduction of a long axis into a tree of about five kernels: ``count``), so the
+rescaling exponents are summed up the tree by elementwise additions, the parents' bounds are
+sums of strided slices, and the tilt's Newton step makes one reduction of its three sums;
+and the sampler's inverse CDF takes its prefix sums unrolled (up to
 ``_UNROLLED_PREFIX_WIDTH``) or as products with triangular matrices (a ``cumsum`` compiles
 into a tree of about a dozen kernels per level), picks its split in one reduction, and
 splits the levels with few table entries by an exponential race (one argmax per level,
@@ -214,7 +218,7 @@ def tilt(logits: jax.Array, k: jax.Array) -> jax.Array:
     logits = lax.stop_gradient(logits)
     dtype = logits.dtype
     finite = jnp.isfinite(logits)
-    num_finite = finite.sum(-1, keepdims=True).astype(dtype)
+    num_finite = count(finite)[..., None].astype(dtype)
     m = jnp.maximum(num_finite, 1.0)
     target = jnp.minimum(jnp.maximum(jnp.asarray(k).astype(dtype)[..., None], 0.5), m - 0.5)
     target = jnp.maximum(target, 0.25)  # m = 1: any c in a wide range will do
@@ -233,6 +237,18 @@ def tilt(logits: jax.Array, k: jax.Array) -> jax.Array:
     return lax.stop_gradient(c)
 
 
+def count(mask: jax.Array) -> jax.Array:
+    """The number of True entries of ``mask`` along its last axis (int32), summed in
+    floating point where every partial sum is an exact integer (up to 2^24 entries in float32,
+    2^53 in float64): XLA's CPU backend compiles an integer reduction of a long axis into a
+    tree of about five kernels and a floating one into one, and compile time is what limits
+    these kernels (see "Compile time" above)."""
+    exact = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
+    if mask.shape[-1] > 2 ** (jnp.finfo(exact).nmant + 1):
+        return mask.sum(-1, dtype=jnp.int32)
+    return mask.astype(exact).sum(-1).astype(jnp.int32)
+
+
 def _newton(logits, finite, goal, low, high, c, max_steps: int):
     """Safeguarded Newton steps on g (see ``tilt``) from ``c`` inside ``[low, high]``.
     Returns (c, settled): settled rows took a last step below ``_TILT_TOLERANCE`` at a
@@ -245,10 +261,12 @@ def _newton(logits, finite, goal, low, high, c, max_steps: int):
         steps, c, low, high, _, _ = state
         on = jax.nn.sigmoid(logits + c)
         off = jnp.where(finite, 1.0 - on, 0.0)
-        count_on = on.sum(-1, keepdims=True)
-        count_off = off.sum(-1, keepdims=True)
-        slope = (on * off).sum(-1, keepdims=True)
-        g = jnp.log(count_on) - jnp.log(count_off)
+        # The three sums in one reduction, and both logs in one operation: each reduction of
+        # its own, and each operation on the (batch, 1) results, compiled into a kernel.
+        sums = jnp.stack([on, off, on * off], axis=-2).sum(-1)
+        log_on, log_off = jnp.moveaxis(jnp.log(sums[..., :2]), -1, 0)
+        count_on, count_off, slope = (sums[..., i : i + 1] for i in range(3))
+        g = (log_on - log_off)[..., None]
         too_many = g > goal
         high = jnp.where(too_many, c, high)
         low = jnp.where(too_many, low, c)
@@ -412,9 +430,9 @@ def _mask_outside(table: jax.Array, bounds: jax.Array) -> jax.Array:
 
 
 def _rescale(table: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(table / 2^e, e log 2) per node, 2^e the power of two with the largest entry in
-    [2^e, 2^(e + 1)), and entries below sqrt(tiny) of the largest set to zero (so products of
-    two entries are never denormal).
+    """(table / 2^e, e) per node, 2^e the power of two with the largest entry in
+    [2^e, 2^(e + 1)) (e in the wide dtype, a whole number), and entries below sqrt(tiny) of
+    the largest set to zero (so products of two entries are never denormal).
 
     A power of two: the division is exact, and cheap enough for XLA to fuse into each of the
     table's consumers (a division by the largest entry itself becomes a reciprocal per node,
@@ -432,9 +450,7 @@ def _rescale(table: jax.Array) -> tuple[jax.Array, jax.Array]:
     bias = 2 ** (info.nexp - 1) - 1
     scale = lax.bitcast_convert_type((2 * bias - field) << info.nmant, table.dtype)
     table = jnp.where(table >= largest * tiny**0.5, table, 0.0) * scale
-    # The log in the wide dtype, exact up to one rounding.
-    exponent = (field[..., 0] - bias).astype(wide_dtype(table.dtype))
-    return table, exponent * math.log(2.0)
+    return table, (field[..., 0] - bias).astype(wide_dtype(table.dtype))
 
 
 def _leaves(x: jax.Array, k_max: int):
@@ -477,7 +493,7 @@ def _by_rule(fft: jax.Array | bool, by_fft, direct, *operands) -> jax.Array:
 
 def _merge(pairs: jax.Array, bounds: jax.Array | None, out_width: int, fft):
     """One level of the upward pass: the rescaled products of node pairs ``pairs`` (batch,
-    nodes, 2, width) truncated at ``out_width``, and their log factors (see ``_rescale``);
+    nodes, 2, width) truncated at ``out_width``, and their exponents (see ``_rescale``);
     ``bounds``: the parents' bounds (batch, nodes, 2), or None below the FFT levels."""
     if bounds is not None and out_width >= _fft_width(fft):
 
@@ -494,8 +510,10 @@ def _merge(pairs: jax.Array, bounds: jax.Array | None, out_width: int, fft):
 
 
 def _parent_bounds(bounds: jax.Array) -> jax.Array:
-    """The bounds of the parents of nodes (batch, 2 parents, 2): their children's sums."""
-    return bounds.reshape(bounds.shape[0], -1, 2, 2).sum(2)
+    """The bounds of the parents of nodes (batch, 2 parents, 2): their children's sums, as an
+    addition of strided slices, which XLA fuses into the bounds' consumers (a reduction over
+    the pairs compiled into a kernel per level)."""
+    return bounds[:, 0::2] + bounds[:, 1::2]
 
 
 def _with_empty_nodes(tables: jax.Array, bounds: jax.Array | None, count: int):
@@ -515,7 +533,11 @@ def _upward(tables: jax.Array, k_max: int, fft: jax.Array | bool | None):
     it (``lax.cond``, the direct sums otherwise). The top levels whose tables are all
     ``k_max + 1`` wide run in one ``lax.scan`` (``_Loop``)."""
     levels = []
-    log_scale = jnp.zeros(tables.shape[0], wide_dtype(tables.dtype))
+    # The exponents of the rescaling summed over each node's subtree, from the leaves (none)
+    # up: elementwise additions, which XLA fuses, where a sum over each level's nodes compiled
+    # into two to four kernels per level (a concatenation of the levels' exponents is split
+    # back into one reduction per level by XLA's algebraic simplifier).
+    subtree = jnp.zeros(tables.shape[:2], wide_dtype(tables.dtype))
     if fft is not None:
         # Lowest and highest possible count of every leaf: it can be off unless its flushed
         # off-weight is zero, and on unless its on-weight is zero. A node's bounds are the
@@ -535,28 +557,31 @@ def _upward(tables: jax.Array, k_max: int, fft: jax.Array | bool | None):
             leaf_bounds = jnp.pad(
                 leaf_bounds, ((0, 0), (0, nodes * span - leaf_bounds.shape[1]), (0, 0))
             )
-            bounds = leaf_bounds.reshape(batch, nodes, span, 2).sum(2)
+            # Summed in float32 (exact: span is at most a few hundred leaves), which
+            # compiles into one kernel, an integer sum into two.
+            bounds = leaf_bounds.reshape(batch, nodes, span, 2).astype(jnp.float32).sum(2)
+            bounds = bounds.astype(jnp.int32)
         if (
             width == k_max + 1
             and 2 ** (_LOOP_MIN_STEPS - 1) < nodes <= _LOOP_NODES
             and nodes * width <= _LOOP_ENTRIES
         ):
-            tables, loop, loop_log_scale = _upward_loop(tables, bounds, fft)
+            tables, loop, subtree = _upward_loop(tables, bounds, subtree, fft)
             levels.append(loop)
-            log_scale = log_scale + loop_log_scale
             break
         padded = nodes % 2 == 1
         if padded:
             tables, bounds = _with_empty_nodes(tables, bounds, 1)
+            subtree = _pad_last(subtree, 0, 1)
         pairs = tables.reshape(batch, -1, 2, width)
         children = bounds
         if bounds is not None:
             bounds = _parent_bounds(bounds)
-        tables, log_factor = _merge(pairs, bounds, out_width, fft)
-        log_scale = log_scale + log_factor.astype(log_scale.dtype).sum(-1)
+        tables, exponent = _merge(pairs, bounds, out_width, fft)
+        subtree = exponent + subtree[:, 0::2] + subtree[:, 1::2]
         levels.append(_Level(pairs[:, :, 0], pairs[:, :, 1], padded, children))
         span *= 2
-    return tables[:, 0], levels, log_scale
+    return tables[:, 0], levels, subtree[:, 0] * math.log(2.0)
 
 
 class _Loop(NamedTuple):
@@ -577,28 +602,30 @@ class _Loop(NamedTuple):
     bounds: jax.Array | None
 
 
-def _upward_loop(tables: jax.Array, bounds: jax.Array | None, fft):
+def _upward_loop(tables: jax.Array, bounds: jax.Array | None, subtree: jax.Array, fft):
+    """``_upward`` through a ``_Loop``: (the root's table, the loop, the root's subtree
+    exponent), from the nodes' tables, bounds and subtree exponents."""
     batch, nodes, width = tables.shape
     steps = (nodes - 1).bit_length()
     half = 2 ** (steps - 1)
     tables, bounds = _with_empty_nodes(tables, bounds, 2 * half - nodes)
-    wide = wide_dtype(tables.dtype)
+    subtree = _pad_last(subtree, 0, 2 * half - nodes)
 
     def step(carry, _):
-        tables, bounds = carry
+        tables, bounds, subtree = carry
         pairs = tables.reshape(batch, half, 2, width)
         children = bounds
         if bounds is not None:
             bounds = _parent_bounds(bounds)
-        merged, log_factor = _merge(pairs, bounds, width, fft)
+        merged, exponent = _merge(pairs, bounds, width, fft)
         merged, bounds = _with_empty_nodes(merged, bounds, half)
-        out = (pairs[:, :, 0], pairs[:, :, 1], children, log_factor.astype(wide).sum(-1))
-        return (merged, bounds), out
+        subtree = _pad_last(exponent + subtree[:, 0::2] + subtree[:, 1::2], 0, half)
+        return (merged, bounds, subtree), (pairs[:, :, 0], pairs[:, :, 1], children)
 
-    (tables, _), (left, right, children, log_factors) = lax.scan(
-        step, (tables, bounds), length=steps
+    (tables, _, subtree), (left, right, children) = lax.scan(
+        step, (tables, bounds, subtree), length=steps
     )
-    return tables[:, :1], _Loop(left, right, nodes, children), log_factors.sum(0)
+    return tables[:, :1], _Loop(left, right, nodes, children), subtree[:, :1]
 
 
 def _outside_of_children(outside, left, right, bounds, k, total, fft) -> jax.Array:

@@ -620,6 +620,31 @@ def test_jax_size_buckets_pad_little_and_are_few():
     assert jax_kernels._bucket(10_000_000) == 10 * 2**20
 
 
+def _x64_off():
+    if hasattr(jax, "enable_x64"):
+        return jax.enable_x64(False)
+    from jax.experimental import disable_x64  # JAX before 0.8
+
+    return disable_x64()
+
+
+def test_jax_count_is_exact_on_both_sides_of_the_floating_sum_limit():
+    """``count`` (the number of True entries: the kernels' and the distribution's integer
+    counts) sums in floating point only where every partial sum is exact: random masks, a
+    batch of them, against NumPy's integer count (x64 on: float64 sums), and with x64 off a
+    mask of 2^24 + 3 ones, a number float32 cannot hold, so that only the integer sum
+    ``count`` falls back to there can give it."""
+    rng = np.random.default_rng(7)
+    mask = rng.random((4, 1000)) < np.array([[0.0], [0.3], [0.9], [1.0]])
+    counted = np.asarray(jax_kernels.count(jnp.asarray(mask)))
+    assert counted.dtype == np.int32
+    np.testing.assert_array_equal(counted, mask.sum(-1))
+    with _x64_off():
+        ones = jnp.ones(2**24 + 3, bool)
+        assert int(ones.astype(jnp.float32).sum()) != 2**24 + 3
+        assert int(jax_kernels.count(ones)) == 2**24 + 3
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_jax_prefix_sums_match_cumsum(dtype):
     """The sampler's prefix sums (unrolled up to ``_UNROLLED_PREFIX_WIDTH``, then triangular
