@@ -133,6 +133,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 _TILT_STEPS = 6
@@ -984,10 +985,11 @@ def _prefix_sums(weight: jax.Array) -> jax.Array:
     blocks = -(-width // block)
     tiled = _pad_last(weight, 0, blocks * block - width)
     tiled = tiled.reshape(weight.shape[:-1] + (blocks, block))
-    upper = jnp.triu(jnp.ones((block, block), weight.dtype))
+    # NumPy constants, embedded in the program (jnp.triu compiles into a kernel per shape).
+    upper = jnp.asarray(np.triu(np.ones((block, block))), weight.dtype)
     sums = jnp.matmul(tiled, upper, precision=lax.Precision.HIGHEST)
     if blocks > 1:
-        strictly_upper = jnp.triu(jnp.ones((blocks, blocks), weight.dtype), 1)
+        strictly_upper = jnp.asarray(np.triu(np.ones((blocks, blocks)), 1), weight.dtype)
         before = jnp.matmul(sums[..., -1], strictly_upper, precision=lax.Precision.HIGHEST)
         sums = sums + before[..., None]
     return sums.reshape(weight.shape[:-1] + (blocks * block,))[..., :width]
