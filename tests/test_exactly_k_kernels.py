@@ -623,7 +623,7 @@ def test_jax_size_buckets_pad_little_and_are_few():
 def _x64_off():
     if hasattr(jax, "enable_x64"):
         return jax.enable_x64(False)
-    from jax.experimental import disable_x64  # JAX before 0.8
+    from jax.experimental import disable_x64  # older JAX, without jax.enable_x64
 
     return disable_x64()
 
