@@ -265,9 +265,9 @@ def _newton(logits, finite, goal, low, high, c, max_steps: int):
         # The three sums in one reduction, and both logs in one operation: each reduction of
         # its own, and each operation on the (batch, 1) results, compiled into a kernel.
         sums = jnp.stack([on, off, on * off], axis=-2).sum(-1)
-        log_on, log_off = jnp.moveaxis(jnp.log(sums[..., :2]), -1, 0)
         count_on, count_off, slope = (sums[..., i : i + 1] for i in range(3))
-        g = (log_on - log_off)[..., None]
+        logs = jnp.log(sums[..., :2])
+        g = logs[..., :1] - logs[..., 1:]
         too_many = g > goal
         high = jnp.where(too_many, c, high)
         low = jnp.where(too_many, low, c)
@@ -517,13 +517,13 @@ def _parent_bounds(bounds: jax.Array) -> jax.Array:
     return bounds[:, 0::2] + bounds[:, 1::2]
 
 
-def _with_empty_nodes(tables: jax.Array, bounds: jax.Array | None, count: int):
-    """``count`` tables of an empty set (``[1, 0, ...]``, bounds 0) appended to the nodes."""
+def _with_empty_nodes(tables: jax.Array, bounds: jax.Array | None, number: int):
+    """``number`` tables of an empty set (``[1, 0, ...]``, bounds 0) appended to the nodes."""
     batch, _, width = tables.shape
-    empty = jnp.zeros((batch, count, width), tables.dtype).at[..., 0].set(1.0)
+    empty = jnp.zeros((batch, number, width), tables.dtype).at[..., 0].set(1.0)
     tables = jnp.concatenate([tables, empty], axis=1)
     if bounds is not None:
-        bounds = jnp.pad(bounds, ((0, 0), (0, count), (0, 0)))
+        bounds = jnp.pad(bounds, ((0, 0), (0, number), (0, 0)))
     return tables, bounds
 
 
