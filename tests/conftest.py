@@ -15,6 +15,7 @@ import shutil
 import tempfile
 
 import jax
+import numpy as np
 import pyro
 import pytest
 import torch
@@ -86,3 +87,105 @@ def _seed_torch_and_clear_pyro():
 def pytest_sessionfinish(session):
     if _created_cache:
         shutil.rmtree(os.environ.pop(_CACHE_VARIABLE), ignore_errors=True)
+
+
+# --- NumPyro's default configuration ---------------------------------------------------
+# The suite enables x64 (above) so that float64 can be tested, and compiles without XLA's
+# optimisations to save time; a NumPyro user runs neither: x64 is off (no float64 exists
+# inside the library's computations either) and XLA optimises. So every float32 test of the
+# modules below runs a second time in that configuration, as the variant ``[user-config]``:
+# the tests whose parameters include float32 (a dtype, its name, or a conformance case of
+# that dtype) and those marked ``user_config``, except torch-only ones. ``x64_only`` keeps a
+# float32 test out of it (it needs float64 in the test itself, say so in the reason). A
+# module may name the tests that take part in ``USER_CONFIG_TESTS``.
+USER_CONFIG_MODULES = {
+    "test_conditioned_poisson_agreement",
+    "test_conditioned_poisson_numpyro",
+    "test_conditioned_poisson_properties",
+    "test_conformance_numpyro",
+    "test_exactly_k_bernoulli_agreement",
+    "test_exactly_k_bernoulli_numpyro",
+    "test_exactly_k_kernels",
+    "test_exactly_k_properties",
+    "test_linear_constrained_normal_agreement",
+    "test_linear_constrained_normal_numpyro",
+    "test_linear_constrained_normal_properties",
+    "test_linear_constraint_agreement",
+    "test_linear_constraint_numpyro",
+}
+_USER_CONFIG = "user-config"
+
+
+def _is_float32(value) -> bool:
+    if isinstance(value, str):
+        return value == "float32"
+    if value is torch.float32:
+        return False
+    dtype = getattr(value, "dtype", value)
+    if isinstance(dtype, str):
+        return dtype == "float32"
+    if not isinstance(dtype, (type, np.dtype)):
+        return False
+    try:
+        return np.dtype(dtype) == np.float32
+    except TypeError:
+        return False
+
+
+def _wants_user_config(item) -> bool:
+    if item.get_closest_marker("x64_only"):
+        return False
+    params = {name: value for name, value in item.callspec.params.items() if name != "_jax_mode"}
+    if params.get("framework") == "torch":
+        return False
+    if item.get_closest_marker("user_config"):
+        return True
+    names = getattr(item.module, "USER_CONFIG_TESTS", None)
+    if names is not None and item.originalname not in names:
+        return False
+    return any(_is_float32(value) for value in params.values())
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "user_config: also run in NumPyro's default configuration (x64 off, XLA optimised)",
+    )
+    config.addinivalue_line(
+        "markers", "x64_only: a float32 test that needs float64 itself; not run with x64 off"
+    )
+
+
+def pytest_generate_tests(metafunc):
+    if metafunc.module.__name__.rpartition(".")[2] in USER_CONFIG_MODULES:
+        metafunc.parametrize("_jax_mode", ["x64", _USER_CONFIG], indirect=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    selected, deselected = [], []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and callspec.params.get("_jax_mode") == _USER_CONFIG:
+            (selected if _wants_user_config(item) else deselected).append(item)
+        else:
+            selected.append(item)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = selected
+
+
+@pytest.fixture(autouse=True)
+def _jax_mode(request):
+    """The JAX configuration of one test: the suite's (``x64``) or NumPyro's default."""
+    if getattr(request, "param", "x64") != _USER_CONFIG:
+        yield
+        return
+    # jax_disable_most_optimizations is read when a program is compiled, not part of jit's
+    # cache key; x64 is, so every program of this test is compiled here, optimised.
+    optimizations_were_disabled = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", False)
+    try:
+        with jax.enable_x64(False):
+            yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", optimizations_were_disabled)

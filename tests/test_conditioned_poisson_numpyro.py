@@ -238,6 +238,7 @@ def test_entropy_under_jit_and_grad_matches_scipy_and_finite_differences():
     np.testing.assert_allclose(grad, expected, rtol=1e-6, atol=1e-9)
 
 
+@pytest.mark.user_config
 def test_entropy_float32_with_per_batch_k():
     rng = np.random.default_rng(5)
     rate = rng.gamma(1.0, size=(3, 30)) + 0.01

@@ -42,6 +42,19 @@ from tests.conformance_cases import (
 )
 
 CASE = {case.id: case for case in ALL_CASES}
+
+# The tests that check numbers also run in NumPyro's default configuration (x64 off, XLA
+# optimised; tests/conftest.py); the shape and protocol checks do not depend on it.
+USER_CONFIG_TESTS = {
+    "test_entropy_samples",
+    "test_jit_log_likelihood",
+    "test_mean_var",
+    "test_out_of_support",
+    "test_out_of_support_jit",
+    "test_sample_gradient",
+    "test_support",
+    "test_vmap_dist",
+}
 CLASSES = {EKB: ExactlyKBernoulli, LCN: LinearConstrainedNormal, CP: ConditionedPoisson}
 
 
@@ -387,6 +400,7 @@ def test_sample_gradient(case):
         np.testing.assert_allclose(grad, ref, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
+@pytest.mark.x64_only("its finite differences are taken in float64")
 @pytest.mark.parametrize(
     "case", params_for("test_pathwise_sample_gradient", [CASE["lcn-batched-A-cov"]])
 )
@@ -429,6 +443,7 @@ def _direction(name: str, value: np.ndarray, rng) -> np.ndarray:
     return direction
 
 
+@pytest.mark.x64_only("its finite differences are taken in float64")
 @pytest.mark.parametrize("case", params_for("test_log_prob_gradient", GRADIENT_CASES))
 def test_log_prob_gradient(case):
     """jax.grad of the log-density against central finite differences, in float64, along a

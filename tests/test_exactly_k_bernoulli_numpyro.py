@@ -145,6 +145,7 @@ def test_samples_follow_the_enumerated_pmf():
         assert pvalue > 1e-3
 
 
+@pytest.mark.user_config
 def test_float32_samples_follow_the_enumerated_pmf():
     theta = np.array([0.5, -1.0, 2.0, 0.0, -0.3, 1.2])
     d = ExactlyKBernoulli(logits=jnp.asarray(theta, dtype=jnp.float32), k=3)

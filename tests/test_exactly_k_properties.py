@@ -220,6 +220,7 @@ def _log_poisson_binomial(logits: np.ndarray) -> np.ndarray:
     return table
 
 
+@pytest.mark.user_config
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 @pytest.mark.parametrize("spread", [0.0, 1.0])
 def test_float32_log_constraint_prob_has_relative_error_below_1e_5_at_n_10000(framework, spread):
