@@ -1,7 +1,10 @@
 """The project's own promises: CI runs the README's test command."""
 
 import inspect
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +27,34 @@ def test_ci_runs_the_readme_test_command():
 def test_readme_main_job_runs_a_package():
     commands = _readme_commands()
     assert any(c.rstrip().endswith("python -m pyro_constrained") for c in commands), commands
+
+
+def _pytest(*args, env=None):
+    """``python -m pytest`` in a fresh interpreter, from the repository root, running one
+    cheap test of this file (the child runs a test other than the one that calls it)."""
+    env = {**os.environ, **(env or {})}
+    env.pop("PYTEST_ADDOPTS", None)
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider"]
+    command += ["tests/test_project.py", "-k", "test_ci_runs_the_readme_test_command"]
+    return subprocess.run(
+        command + list(args), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_pytest_runs_without_xdist():
+    # CONTRIBUTING's quick command for one file: no "unrecognized arguments: -n".
+    run = _pytest("-p", "no:xdist")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "1 passed" in run.stdout, run.stdout
+
+
+def test_the_readme_test_command_still_spreads_over_workers():
+    # The README's plain `python -m pytest` gets `-n auto` from tests/conftest.py
+    # (xdist reads the number of workers "auto" means from this variable).
+    run = _pytest(env={"PYTEST_XDIST_AUTO_NUM_WORKERS": "1"})
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "created: 1/1 worker" in run.stdout, run.stdout
+    assert "1 passed" in run.stdout, run.stdout
 
 
 def _docstring_layout(obj) -> tuple[list[str], list[str]]:
