@@ -29,6 +29,26 @@ def test_readme_main_job_runs_a_package():
     assert any(c.rstrip().endswith("python -m pyro_constrained") for c in commands), commands
 
 
+def _readme_python_blocks():
+    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+
+
+def test_readme_has_its_python_snippets():
+    # The quick-starts of both packages and the regression head.
+    assert len(_readme_python_blocks()) >= 3
+
+
+@pytest.mark.parametrize("index", range(len(_readme_python_blocks())))
+def test_readme_python_snippet_runs_as_written(index):
+    # Each block pasted as it stands into a fresh namespace (no names from elsewhere),
+    # with JAX's 64-bit types off, as a NumPyro user runs it (this suite turns them on).
+    import jax
+
+    block = _readme_python_blocks()[index]
+    with jax.enable_x64(False):
+        exec(compile(block, f"README.md, python block {index + 1}", "exec"), {})
+
+
 def _pytest(*args, env=None):
     """``python -m pytest`` in a fresh interpreter, from the repository root, running one
     cheap test of this file (the child runs a test other than the one that calls it)."""
