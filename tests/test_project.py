@@ -1,5 +1,6 @@
 """The project's own promises: CI runs the README's test command."""
 
+import importlib.util
 import inspect
 import os
 import re
@@ -27,6 +28,58 @@ def test_ci_runs_the_readme_test_command():
 def test_readme_main_job_runs_a_package():
     commands = _readme_commands()
     assert any(c.rstrip().endswith("python -m pyro_constrained") for c in commands), commands
+
+
+def test_myst_directive_options_fit_on_their_line():
+    # MyST reads a directive's ":name: value" options one line each: an indented next line
+    # ends them and becomes the content (the overview figure's alt text once rendered as a
+    # caption starting mid-sentence). A long value goes in a YAML block between --- lines.
+    for path in sorted((ROOT / "docs").rglob("*.md")):
+        if "_build" in path.parts:
+            continue
+        in_options = False
+        lines = path.read_text().splitlines()
+        for number, line in enumerate(lines, 1):
+            if re.match(r"^(`{3,}|:{3,})\{[\w-]+\}", line):
+                in_options = True
+            elif in_options and re.match(r"^:[\w-]+:", line):
+                continue
+            elif (
+                in_options
+                and line.strip()
+                and line[0] in " \t"
+                and re.match(r"^:[\w-]+:", lines[number - 2])
+            ):
+                pytest.fail(f"{path.name}:{number}: an option continued on the next line")
+            else:
+                in_options = False
+
+
+def test_overview_figure_labels_are_whole():
+    # Every title and annotation of docs/overview_figure.py's panels lies inside the figure
+    # and clear of the other axes (the colorbar once cut the corner label "z2 = 12").
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("pyro_constrained")
+    spec = importlib.util.spec_from_file_location(
+        "overview_figure", ROOT / "docs" / "overview_figure.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fig = module.make_figure()
+    try:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        texts = [(ax, text) for ax in fig.axes for text in [ax.title, *ax.texts] if text.get_text()]
+        assert any(text.get_text() == "z2 = 12" for _, text in texts)
+        for ax, text in texts:
+            box = text.get_window_extent(renderer)
+            assert box.x0 >= 0 and box.y0 >= 0, text
+            assert box.x1 <= fig.bbox.x1 and box.y1 <= fig.bbox.y1, text
+            for other in fig.axes:
+                if other is not ax:
+                    assert not box.overlaps(other.get_tightbbox(renderer)), text
+    finally:
+        module.plt.close(fig)
 
 
 def _readme_python_blocks():
