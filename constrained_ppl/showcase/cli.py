@@ -77,7 +77,8 @@ def main(
     results = run_showcase(seed=args.seed, quick=args.quick, progress=not args.no_progress)
     print()
     print(format_table(results))
-    averaged = " and ".join(str(averaged_steps(r.steps)) for r in results)
+    counts = [str(averaged_steps(r.steps)) for r in results]
+    averaged = " and ".join([", ".join(counts[:-1]), counts[-1]] if len(counts) > 1 else counts)
     notes = [
         "final loss: SVI's loss, the negative ELBO in nats summed over the data (for "
         "LinearConstrainedNormal, whose guide is empty, the negative log-likelihood), "

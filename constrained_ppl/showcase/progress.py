@@ -84,9 +84,8 @@ class StageProgress:
     def finish(self, final: float) -> None:
         averaged = averaged_steps(self.steps)
         if self._bar is not None:
-            self._bar.set_postfix(
-                loss=f"{self._last_loss:.4g}", **{f"mean_last_{averaged}": f"{final:.4g}"}
-            )
+            shown = {} if self._last_loss is None else {"loss": f"{self._last_loss:.4g}"}
+            self._bar.set_postfix(**shown, **{f"mean_last_{averaged}": f"{final:.4g}"})
             self._bar.close()
         elif self.enabled:
             last = "" if self._last_loss is None else f"last step's loss {self._last_loss:.4g}, "
