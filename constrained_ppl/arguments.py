@@ -11,12 +11,20 @@ count is meant. The range ``0 <= k <= bound`` is the distributions' own validati
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from numbers import Integral, Real
 
 import numpy as np
 
-__all__ = ["check_count", "check_head_options", "check_static_bound", "check_value_shape"]
+__all__ = [
+    "check_count",
+    "check_head_options",
+    "check_static_bound",
+    "check_value_shape",
+    "keyword_only",
+]
 
 
 def _dtype_kind(k) -> str | None:
@@ -117,3 +125,39 @@ def check_head_options(
             raise ValueError(f"{name} must be finite")
     if not (output_scale > 0).all():
         raise ValueError("output_scale must be positive")
+
+
+def keyword_only(*names: str, usage: str):
+    """Decorate a class's ``__init__`` whose ``names`` (``k``, ``A``) are keyword-only, so
+    that a call giving them by position gets a ``TypeError`` that says to write ``k=``.
+
+    Without it Python's own message names no keyword: ``ConditionedPoisson(rate, 5)``
+    "takes 2 positional arguments but 3 were given", and ``ExactlyKBernoulli(logits, 3)``,
+    which puts 3 in ``probs``, is "missing 1 required keyword-only argument". The check
+    runs before ``__init__`` and costs a length test; calls that Python accepts are passed
+    on unchanged, and ``inspect.signature`` (hence the documentation) still shows the
+    original signature.
+    """
+
+    def decorate(init):
+        parameters = list(inspect.signature(init).parameters.values())[1:]  # after self
+        positional = [p.name for p in parameters if p.kind is p.POSITIONAL_OR_KEYWORD]
+        required = [p.name for p in parameters if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
+        keywords = " and ".join(f"{name}=" for name in names)
+
+        @functools.wraps(init)
+        def checked_init(self, *args, **kwargs):
+            missing = [name for name in required if name not in kwargs]
+            if len(args) > len(positional) or missing:
+                given = f"{len(args)} positional argument{'s' if len(args) != 1 else ''}"
+                if missing:
+                    given += " and no " + " or ".join(f"{name}=" for name in missing)
+                raise TypeError(
+                    f"{type(self).__name__}() takes {keywords} only by keyword: write {usage} "
+                    f"(its positional arguments are {', '.join(positional)}; got {given})"
+                )
+            return init(self, *args, **kwargs)
+
+        return checked_init
+
+    return decorate

@@ -29,10 +29,9 @@ from pyro_constrained import (  # noqa: E402
 )
 
 
-def draw(out_dir: Path) -> Path:
+def make_figure() -> plt.Figure:
+    """The three panels, laid out (``tests/test_project.py`` checks that no label is cut)."""
     torch.manual_seed(0)
-    # svg.hashsalt and no date: the same figure gives the same file at every build.
-    plt.rcParams["svg.hashsalt"] = "constrained-ppl"
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
 
     # ExactlyKBernoulli: conditioning on sum z = k moves every inclusion probability.
@@ -77,26 +76,37 @@ def draw(out_dir: Path) -> Path:
     ax = axes[2]
     ax.plot(*np.vstack([corners, corners[:1]]).T, color="0.6", linewidth=0.8)
     sc = ax.scatter(xy[:, 0], xy[:, 1], c=probs, s=18, cmap="viridis")
-    offsets = [(-14, -12), (14, -12), (0, 6)]  # points: outside the triangle's corners
+    # Each corner's label just outside the triangle, below the two lower corners and above
+    # the top one; the axes' limits leave room for them, so that neither the figure's edge
+    # nor the colorbar cuts a label (tight_layout sizes the axes, not annotations).
     for i, name in enumerate(["z1", "z2", "z3"]):
         ax.annotate(
             f"{name} = {total}",
             corners[i],
-            xytext=offsets[i],
+            xytext=(0, -6 if i < 2 else 6),
             textcoords="offset points",
             ha="center",
             va="top" if i < 2 else "bottom",
             fontsize=8,
         )
-    fig.colorbar(sc, ax=ax, label="probability")
+    ax.set_xlim(-0.15, 1.15)
+    ax.set_ylim(-0.15, corners[2, 1] + 0.12)
+    fig.colorbar(sc, ax=ax, label="probability", pad=0.04, shrink=0.8)
     ax.set_aspect("equal")
     ax.set_axis_off()
-    ax.set_title(f"fixed totals: counts summing to {total}", pad=18)
+    ax.set_title(f"fixed totals: counts summing to {total}", pad=10)
 
     fig.tight_layout()
+    return fig
+
+
+def draw(out_dir: Path) -> Path:
+    fig = make_figure()
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "overview.svg"
-    fig.savefig(path, metadata={"Date": None})
+    # svg.hashsalt and no date: the same figure gives the same file at every build.
+    with plt.rc_context({"svg.hashsalt": "constrained-ppl"}):
+        fig.savefig(path, metadata={"Date": None})
     plt.close(fig)
     return path
 

@@ -24,7 +24,12 @@ from numpyro.distributions.distribution import Distribution
 from numpyro.distributions.kl import kl_divergence
 from numpyro.util import not_jax_tracer
 
-from constrained_ppl.arguments import check_count, check_static_bound, check_value_shape
+from constrained_ppl.arguments import (
+    check_count,
+    check_static_bound,
+    check_value_shape,
+    keyword_only,
+)
 from constrained_ppl.binomial_tails import bennett_deviation, entropy_log_inverse_tail
 from constrained_ppl.enumeration import check_support_size, compositions, single_count
 from constrained_ppl.exact_integers import (
@@ -515,6 +520,7 @@ class ConditionedPoisson(Distribution):
     # Exactly what the user passed, never derived from k: see the class docstring.
     pytree_aux_fields = ("k_max",)
 
+    @keyword_only("k", usage="ConditionedPoisson(rate, k=k)")
     def __init__(
         self,
         rate,

@@ -23,7 +23,12 @@ from numpyro.distributions.distribution import Distribution
 from numpyro.distributions.kl import kl_divergence
 from numpyro.util import not_jax_tracer
 
-from constrained_ppl.arguments import check_count, check_static_bound, check_value_shape
+from constrained_ppl.arguments import (
+    check_count,
+    check_static_bound,
+    check_value_shape,
+    keyword_only,
+)
 from constrained_ppl.enumeration import check_support_size, k_hot_table, single_count
 from numpyro_constrained import exactly_k_kernels as kernels
 from numpyro_constrained._repr import parameters_repr
@@ -191,6 +196,7 @@ class ExactlyKBernoulli(Distribution):
     pytree_data_fields = ("logits", "probs", "k")
     pytree_aux_fields = ("k_max",)
 
+    @keyword_only("k", usage="ExactlyKBernoulli(logits, k=k)")
     def __init__(self, logits=None, probs=None, *, k, k_max=None, validate_args=None):
         if (logits is None) == (probs is None):
             raise ValueError("ExactlyKBernoulli: give exactly one of `logits` or `probs`")

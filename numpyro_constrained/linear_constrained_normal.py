@@ -28,7 +28,7 @@ from numpyro.distributions.kl import kl_divergence
 from numpyro.distributions.transforms import Transform, biject_to
 from numpyro.util import not_jax_tracer
 
-from constrained_ppl.arguments import check_value_shape
+from constrained_ppl.arguments import check_value_shape, keyword_only
 from numpyro_constrained._repr import parameters_repr
 from numpyro_constrained.linear_constraint import (
     LinearConstraint,
@@ -564,6 +564,7 @@ class LinearConstrainedNormal(Distribution):
     # vmap stacked in front of a leaf from the leaf's own batch dimensions.
     pytree_aux_fields = ("grad_estimator", "_diagonal", "_leaf_batch_ndims", "_rtol")
 
+    @keyword_only("A", "k", usage="LinearConstrainedNormal(loc, scale, A=A, k=k)")
     def __init__(
         self,
         loc: jax.Array,

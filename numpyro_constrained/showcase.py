@@ -37,6 +37,7 @@ from constrained_ppl.showcase import (
     run_experiments,
 )
 from constrained_ppl.showcase import main as _shared_main
+from constrained_ppl.showcase.progress import StageProgress, final_loss
 
 # ---------------------------------------------------------------------------------------
 # Experiments (NumPyro)
@@ -48,7 +49,6 @@ def _svi_loop(svi, steps: int, desc: str, progress: bool, seed: int, *args):
     ``svi.init`` is jitted too: run eagerly, every operation of the model and the guide
     would compile on its own, which costs more than compiling them all at once."""
     import jax
-    from tqdm.auto import trange
 
     with warnings.catch_warnings():
         # NumPyro warns about any discrete latent site; these distributions' samples carry
@@ -57,15 +57,15 @@ def _svi_loop(svi, steps: int, desc: str, progress: bool, seed: int, *args):
         state = jax.jit(svi.init)(jax.random.PRNGKey(seed), *args)
     update = jax.jit(svi.update)
     losses = []
-    bar = trange(steps, desc=desc, disable=not progress, leave=True)
-    for step in bar:
+    stage = StageProgress(steps, desc, enabled=progress)
+    for step in stage:
         state, loss = update(state, *args)
         losses.append(loss)
-        if step % 25 == 0 or step == steps - 1:
-            bar.set_postfix(loss=f"{float(loss):.4g}")
-    # The ELBO estimate is noisy: report the mean over the last tenth of the run.
-    final_loss = float(np.mean(np.asarray(losses[-max(1, steps // 10) :])))
-    return svi.get_params(state), final_loss
+        stage.show_loss(step, loss)
+    # The ELBO estimate of one step is noisy: the mean of the last tenth of the steps.
+    loss = final_loss(losses)
+    stage.finish(loss)
+    return svi.get_params(state), loss
 
 
 def run_exactly_k_bernoulli(seed: int = 0, steps: int = 500, progress: bool = True):

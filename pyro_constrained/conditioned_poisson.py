@@ -16,7 +16,12 @@ from pyro.distributions import Binomial, TorchDistribution
 from torch.distributions import constraints
 from torch.distributions.kl import register_kl
 
-from constrained_ppl.arguments import check_count, check_static_bound, check_value_shape
+from constrained_ppl.arguments import (
+    check_count,
+    check_static_bound,
+    check_value_shape,
+    keyword_only,
+)
 from constrained_ppl.binomial_tails import bennett_deviation, entropy_log_inverse_tail
 from constrained_ppl.enumeration import check_support_size, compositions, single_count
 from constrained_ppl.exact_integers import (
@@ -454,6 +459,7 @@ class ConditionedPoisson(TorchDistribution):
     #: The largest support that `enumerate_support` builds (a ``ValueError`` beyond it).
     max_support = 2**16
 
+    @keyword_only("k", usage="ConditionedPoisson(rate, k=k)")
     def __init__(
         self,
         rate: torch.Tensor,

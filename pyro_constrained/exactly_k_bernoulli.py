@@ -16,7 +16,12 @@ from torch.distributions import Distribution, constraints
 from torch.distributions.kl import register_kl
 from torch.distributions.utils import lazy_property
 
-from constrained_ppl.arguments import check_count, check_static_bound, check_value_shape
+from constrained_ppl.arguments import (
+    check_count,
+    check_static_bound,
+    check_value_shape,
+    keyword_only,
+)
 from constrained_ppl.enumeration import check_support_size, k_hot_table, single_count
 from pyro_constrained import exactly_k_kernels as kernels
 from pyro_constrained._repr import parameters_repr
@@ -156,6 +161,7 @@ class ExactlyKBernoulli(TorchDistribution):
     #: The largest support that `enumerate_support` builds (a ``ValueError`` beyond it).
     max_support = 2**16
 
+    @keyword_only("k", usage="ExactlyKBernoulli(logits, k=k)")
     def __init__(
         self,
         logits: torch.Tensor | None = None,

@@ -20,7 +20,7 @@ from torch.distributions.kl import register_kl
 from torch.distributions.transforms import Transform
 from torch.distributions.utils import _standard_normal, lazy_property
 
-from constrained_ppl.arguments import check_value_shape
+from constrained_ppl.arguments import check_value_shape, keyword_only
 from pyro_constrained._repr import parameters_repr
 from pyro_constrained.linear_constraint import (
     LinearConstraint,
@@ -413,6 +413,7 @@ class LinearConstrainedNormal(TorchDistribution):
     }
     has_rsample = True
 
+    @keyword_only("A", "k", usage="LinearConstrainedNormal(loc, scale, A=A, k=k)")
     def __init__(
         self,
         loc: torch.Tensor,

@@ -36,22 +36,23 @@ from constrained_ppl.showcase import (
     run_experiments,
 )
 from constrained_ppl.showcase import main as _shared_main
+from constrained_ppl.showcase.progress import StageProgress, final_loss
 
 # ---------------------------------------------------------------------------------------
 # Experiments (Pyro)
 
 
 def _svi_loop(svi, steps: int, desc: str, progress: bool, *args) -> float:
-    from tqdm.auto import trange
-
+    """Run ``steps`` SVI steps, reporting progress; return the final loss (the mean of the
+    last tenth of the steps' losses, as the ELBO estimate of one step is noisy)."""
     losses = []
-    bar = trange(steps, desc=desc, disable=not progress, leave=True)
-    for step in bar:
+    stage = StageProgress(steps, desc, enabled=progress)
+    for step in stage:
         losses.append(svi.step(*args))
-        if step % 25 == 0 or step == steps - 1:
-            bar.set_postfix(loss=f"{losses[-1]:.4g}")
-    # The ELBO estimate is noisy: report the mean over the last tenth of the run.
-    return float(np.mean(losses[-max(1, steps // 10) :]))
+        stage.show_loss(step, losses[-1])
+    loss = final_loss(losses)
+    stage.finish(loss)
+    return loss
 
 
 def run_exactly_k_bernoulli(seed: int = 0, steps: int = 500, progress: bool = True):

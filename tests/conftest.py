@@ -77,6 +77,26 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """Spread the run over every core (``-n auto``) when pytest-xdist is loaded and no
+    ``-n`` was given.
+
+    ``python -m pytest`` (the README's command) thus runs in parallel, while
+    ``-p no:xdist`` (xdist not loaded, so no ``-n`` option) and ``-n 0`` run in one
+    process. ``tryfirst``: this initial conftest is registered after the xdist plugin, so
+    this hook runs before xdist's own ``pytest_cmdline_main``, which turns ``auto`` into
+    a number of workers. xdist's workers receive their controller's options (``-n`` set
+    there), and ``workerinput`` marks them.
+    """
+    if (
+        config.pluginmanager.hasplugin("xdist")
+        and not hasattr(config, "workerinput")
+        and config.option.numprocesses is None
+    ):
+        config.option.numprocesses = "auto"
+
+
 @pytest.fixture(autouse=True)
 def _seed_torch_and_clear_pyro():
     pyro.set_rng_seed(0)

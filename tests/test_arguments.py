@@ -1,6 +1,8 @@
 """The shared argument rules (constrained_ppl.arguments), checked on plain values
 and on each framework's arrays."""
 
+import inspect
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -75,3 +77,42 @@ def test_value_shape():
         check_value_shape((4, 3), (2,), (3,), "D")
     with pytest.raises(ValueError, match="event shape"):
         check_value_shape((), (), (3,), "D")
+
+
+def _constructors(package):
+    """Each class with its count (and for the Gaussian, its A) given by position, and the
+    same call written as the message says, with ``k=`` (and ``A=``)."""
+    mod = pytest.importorskip(package)
+    array = torch.tensor if package == "pyro_constrained" else jnp.asarray
+    logits, rate = array([0.5, -1.0, 2.0, 0.0]), array([1.0, 2.0, 3.0, 4.0])
+    loc, scale, A, k = array([0.0, 1.0, 2.0]), array([1.0, 1.0, 2.0]), array([[1.0] * 3]), 3.0
+    return [
+        (lambda: mod.ExactlyKBernoulli(logits, 2), lambda: mod.ExactlyKBernoulli(logits, k=2)),
+        (lambda: mod.ExactlyKBernoulli(logits), lambda: mod.ExactlyKBernoulli(logits, k=2)),
+        (lambda: mod.ConditionedPoisson(rate, 5), lambda: mod.ConditionedPoisson(rate, k=5)),
+        (
+            lambda: mod.LinearConstrainedNormal(loc, scale, A, array([k])),
+            lambda: mod.LinearConstrainedNormal(loc, scale, A=A, k=array([k])),
+        ),
+    ]
+
+
+@pytest.mark.parametrize("package", ["pyro_constrained", "numpyro_constrained"])
+def test_positional_count_is_a_type_error_that_says_k_equals(package):
+    # k (and A) are keyword-only in both packages; a call that gives them by position (or
+    # ExactlyKBernoulli(logits, 2), where 2 lands in probs) gets a TypeError saying k=.
+    for positional, keyword in _constructors(package):
+        with pytest.raises(TypeError, match=r"only by keyword: write \w+\(.*k=k\)"):
+            positional()
+        keyword()  # the spelling the message gives works
+
+
+@pytest.mark.parametrize("package", ["pyro_constrained", "numpyro_constrained"])
+def test_keyword_only_keeps_the_documented_signature(package):
+    # The check wraps __init__; the signature that help(), Sphinx and the frameworks'
+    # metaclasses read is still the class's own, with k keyword-only.
+    mod = pytest.importorskip(package)
+    for name in ["ExactlyKBernoulli", "ConditionedPoisson", "LinearConstrainedNormal"]:
+        parameters = inspect.signature(getattr(mod, name)).parameters
+        assert parameters["k"].kind is inspect.Parameter.KEYWORD_ONLY, name
+        assert "args" not in parameters and "kwargs" not in parameters, name

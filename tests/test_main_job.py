@@ -7,7 +7,9 @@ promises: samples satisfy the constraint exactly (integers) or to float32 roundi
 """
 
 import importlib
+import io
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,10 +48,11 @@ MAX_ERROR = {
 
 
 def _run_main(package):
+    # Progress on, into a pipe (not a terminal), as in a CI log or under nohup.
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     return subprocess.run(
-        [sys.executable, "-m", package, "--quick", "--no-progress"],
+        [sys.executable, "-m", package, "--quick"],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -78,6 +81,37 @@ def test_main_job_prints_a_passing_results_table(package):
         assert float(row["time s"]) > 0.0
         assert row["ok"] == "yes"
     assert "all checks passed" in run.stdout
+    _check_progress_lines(run.stderr, rows)
+    _check_notes_and_code(run.stdout, rows, package)
+
+
+def _check_progress_lines(stderr, rows):
+    # Without a terminal: no bar redrawn with carriage returns, one line per model, whose
+    # final loss is the table's, and a first line that names --no-progress.
+    assert "\r" not in stderr, stderr
+    lines = stderr.splitlines()
+    assert "--no-progress" in lines[0], stderr
+    for name, row in rows.items():
+        mine = [line for line in lines if line.startswith(f"{name}: ")]
+        assert len(mine) == 1, stderr
+        assert f"{row['steps']} SVI steps" in mine[0], mine
+        assert f"final loss {row['final loss']} " in mine[0], (mine, row)
+        averaged = max(1, int(row["steps"]) // 10)
+        assert f"(mean of the last {averaged})" in mine[0], mine
+
+
+def _check_notes_and_code(stdout, rows, package):
+    # The table says what "final loss" is, and names the file and function of each row.
+    words = " ".join(stdout.split())  # the notes are wrapped
+    assert "final loss: SVI's loss" in words and "averaged over the last tenth" in words, stdout
+    showcase = importlib.import_module(f"{package}.showcase")
+    for name in rows:
+        where = re.search(rf"^  {name} +(\S+):(\d+), (\w+)\(\)$", stdout, re.M)
+        assert where, stdout
+        path, line, function = where.groups()
+        code = getattr(showcase, function).__code__
+        assert os.path.samefile(ROOT / path, code.co_filename), where.group(0)
+        assert int(line) == code.co_firstlineno, where.group(0)
 
 
 @pytest.mark.parametrize("package", PACKAGES)
@@ -119,3 +153,67 @@ def test_molecule_charges_sum_to_the_total_charge():
     np.testing.assert_allclose(data["charges"].sum(-1), data["total"], atol=1e-12)
     np.testing.assert_allclose(data["mean_charges"].sum(-1), data["total"], atol=1e-12)
     assert set(np.unique(data["total"])) <= {-1.0, 0.0, 1.0}
+
+
+def test_progress_without_a_terminal_is_one_line_per_stage():
+    from constrained_ppl.showcase.progress import StageProgress
+
+    stream = io.StringIO()  # not a terminal
+    stage = StageProgress(1000, "Model", stream=stream)
+    for step in stage:
+        stage.show_loss(step, 2.0 * step)
+    stage.finish(123.0)
+    assert stream.getvalue().count("\n") == 1, stream.getvalue()
+    line = stream.getvalue()
+    assert line.startswith("Model: 1000 SVI steps in ") and "\r" not in line, line
+    assert "last step's loss 1998, final loss 123 (mean of the last 100)" in line, line
+
+
+def test_progress_disabled_writes_nothing_and_a_terminal_gets_a_bar():
+    from constrained_ppl.showcase.progress import StageProgress
+
+    for enabled, interactive in [(False, False), (False, True)]:
+        stream = io.StringIO()
+        stage = StageProgress(50, "Model", enabled=enabled, stream=stream, interactive=interactive)
+        for step in stage:
+            stage.show_loss(step, 1.0)
+        stage.finish(1.0)
+        assert stream.getvalue() == ""
+    stream = io.StringIO()
+    stage = StageProgress(50, "Model", stream=stream, interactive=True)
+    for step in stage:
+        stage.show_loss(step, float(step))
+    stage.finish(47.0)
+    # tqdm redraws in place; its last state shows the last step's loss beside the mean.
+    assert "\r" in stream.getvalue()
+    assert "loss=49, mean_last_5=47" in stream.getvalue().rsplit("\r", 1)[-1]
+
+
+def test_final_loss_is_the_mean_of_the_last_tenth():
+    from constrained_ppl.showcase.progress import final_loss
+
+    losses = [float(i) for i in range(1, 201)]  # the last tenth: 181..200
+    assert final_loss(losses) == sum(range(181, 201)) / 20
+    assert final_loss([3.0, 5.0]) == 5.0  # at least one step
+
+
+def test_main_explains_its_progress_and_names_the_code(capsys):
+    # The shared command line, with a stand-in experiment (no framework, no fit).
+    from constrained_ppl.showcase import ShowcaseResult, main, run_experiments
+
+    def fit_nothing(seed=0, progress=True, steps=100):
+        return ShowcaseResult("Stand-in", "none", steps, 1.0, 0.0, 0.0, "none", 0.0, 1.0, 0.1)
+
+    def run_showcase(seed, quick, progress):
+        return run_experiments([fit_nothing], [20], seed=seed, quick=quick, progress=progress)
+
+    assert main(["--quick"], "prog", "description", run_showcase) == 0
+    out, err = capsys.readouterr()
+    assert "--no-progress" in err  # capsys is not a terminal
+    # The note (wrapped) says that the final loss averages a tenth of the 20 steps.
+    assert "last tenth of the steps (2 here)" in " ".join(out.split()), out
+    code = fit_nothing.__code__
+    where = f"{os.path.relpath(code.co_filename)}:{code.co_firstlineno}, fit_nothing()"
+    assert f"  Stand-in  {where}" in out, out
+    assert main(["--no-progress"], "prog", "description", run_showcase) == 0
+    assert capsys.readouterr().err == ""

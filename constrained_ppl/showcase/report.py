@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import inspect
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
 @dataclass
 class ShowcaseResult:
-    """One row of the results table."""
+    """One row of the results table; ``code`` is the function that produced it (set by
+    ``run_experiments``), whose file and name the job prints under the table."""
 
     distribution: str
     model: str
@@ -19,6 +23,7 @@ class ShowcaseResult:
     error: float
     error_max: float
     wall_s: float
+    code: Callable | None = None
 
     @property
     def passed(self) -> bool:
@@ -68,4 +73,34 @@ def format_table(results: list[ShowcaseResult]) -> str:
             "yes" if r.passed else "NO",
         ]
         lines.append(row(cells))
+    return "\n".join(lines)
+
+
+def _where(function: Callable) -> str:
+    """``path:line, name()`` of a function, the path relative to the working directory
+    when the file lies under it (a checkout), else absolute (an installed package)."""
+    code = getattr(inspect.unwrap(function), "__code__", None)
+    if code is None:  # a callable object: no file to name
+        return repr(function)
+    path = code.co_filename
+    if os.path.isfile(path):
+        path = os.path.abspath(path)
+        try:
+            relative = os.path.relpath(path)
+        except ValueError:  # Windows: another drive than the working directory
+            relative = os.pardir
+        if not relative.startswith(os.pardir):
+            path = relative
+    return f"{path}:{code.co_firstlineno}, {function.__name__}()"
+
+
+def format_code(results: list[ShowcaseResult]) -> str:
+    """Where each row's code lives (data, model, guide, SVI fit and checks), or ``""`` when
+    no row knows its function."""
+    rows = [r for r in results if r.code is not None]
+    if not rows:
+        return ""
+    width = max(len(r.distribution) for r in rows)
+    lines = ["The code of each row (data, model, guide, SVI fit and checks):"]
+    lines += [f"  {r.distribution:<{width}}  {_where(r.code)}" for r in rows]
     return "\n".join(lines)
