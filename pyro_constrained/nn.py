@@ -76,8 +76,9 @@ from pyro_constrained.linear_constrained_normal import LinearConstrainedNormal
 from pyro_constrained.linear_constraint import LinearConstraint
 from pyro_constrained.losses import expected_l1_loss, expected_l2_loss
 
-LOSSES = ("mse+nll", "nll", "mse", "expected_l2", "expected_l1")
+LOSSES = ("mse+nll", "loc_mse+nll", "nll", "mse", "expected_l2", "expected_l1")
 SCALES = ("per_example", "per_output")
+PREDICTIONS = ("projection", "conditional")
 
 
 def _inverse_softplus(value: float) -> float:
@@ -133,11 +134,15 @@ class LinearConstrainedNormalHead(nn.Module):
         init_scale: float = 1.0,
         output_loc: torch.Tensor | None = None,
         output_scale: torch.Tensor | None = None,
+        metric: torch.Tensor | None = None,
+        prediction: str = "projection",
         validate_args: bool | None = None,
     ):
         super().__init__()
         if loss not in LOSSES:
             raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
+        if prediction not in PREDICTIONS:
+            raise ValueError(f"prediction must be one of {PREDICTIONS}, got {prediction!r}")
         if scale not in SCALES:
             raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
         if not isinstance(constraint, LinearConstraint):
@@ -149,28 +154,33 @@ class LinearConstrainedNormalHead(nn.Module):
         device = constraint.A.device
         output_loc = torch.zeros(n) if output_loc is None else torch.as_tensor(output_loc)
         output_scale = torch.ones(n) if output_scale is None else torch.as_tensor(output_scale)
+        metric = torch.ones(n) if metric is None else torch.as_tensor(metric)
         check_head_options(
             n,
             min_scale=min_scale,
             init_scale=init_scale,
             output_loc=output_loc.detach().cpu().numpy(),
             output_scale=output_scale.detach().cpu().numpy(),
+            metric=metric.detach().cpu().numpy(),
         )
         self.constraint = constraint
         self.loss_name = loss
+        self.prediction = prediction
         self.scale_kind = scale
         self.min_scale = float(min_scale)
         self.validate_args = validate_args
         self.register_buffer("output_loc", output_loc.to(dtype=dtype, device=device))
         self.register_buffer("output_scale", output_scale.to(dtype=dtype, device=device))
+        self.register_buffer("metric_root", metric.to(dtype=dtype, device=device).sqrt())
         # The calibration factor t of :meth:`calibrate` (1 until calibrated).
         self.register_buffer("scale_factor", torch.ones((), dtype=dtype, device=device))
-        # The losses live in the scaled coordinates y / output_scale, whose constraint is
-        # A diag(output_scale): factorised once here, not per step.
-        self.scaled_constraint = (
+        # The losses and the projection live in the metric coordinates z = sqrt(w) y, where
+        # the user's squared error is the Euclidean one; their constraint is
+        # A diag(1 / sqrt(w)), factorised once here, not per step.
+        self.metric_constraint = (
             constraint
-            if bool((self.output_scale == 1).all())
-            else LinearConstraint(constraint.A * self.output_scale, rtol=constraint._rtol)
+            if bool((self.metric_root == 1).all())
+            else LinearConstraint(constraint.A / self.metric_root, rtol=constraint._rtol)
         )
         self.mean_layer = nn.Linear(in_features, n)
         raw_init = _inverse_softplus(init_scale - min_scale)
@@ -190,7 +200,7 @@ class LinearConstrainedNormalHead(nn.Module):
         # constraints are not tensors, so convert their cached factorisations alongside
         # (O(n a), no refactorisation).
         super()._apply(fn, *args, **kwargs)
-        for name in ("constraint", "scaled_constraint"):
+        for name in ("constraint", "metric_constraint"):
             constraint = getattr(self, name)
             probe = fn(constraint.A)
             if probe.dtype != constraint.A.dtype or probe.device != constraint.A.device:
@@ -200,29 +210,29 @@ class LinearConstrainedNormalHead(nn.Module):
     # -- the scaled coordinates --------------------------------------------------------------
 
     def _standardisation(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """``(output_loc / output_scale, output_scale)``, each None where it is the identity
-        (zero offset, unit scale: the defaults), so that a training step skips those ops.
-        Recomputed only when a buffer is replaced or changed in place (``.to``,
-        ``load_state_dict``, ``calibrate`` leave them so): the key is the buffers themselves
-        and their version counters."""
-        output_loc, output_scale = self.output_loc, self.output_scale
-        versions = (output_loc._version, output_scale._version)
+        """``(output_loc / output_scale, output_scale * sqrt(metric))`` (the offset of the
+        mean layer's output and the map from its units to the metric coordinates), each
+        None where it is the identity (the defaults), so that a training step skips those
+        ops. Recomputed only when a buffer is replaced or changed in place (``.to``,
+        ``load_state_dict``; ``calibrate`` leaves them so): the key is the buffers
+        themselves and their version counters."""
+        buffers = (self.output_loc, self.output_scale, self.metric_root)
+        versions = tuple(buffer._version for buffer in buffers)
         cached = self.__dict__.get("_standardisation_cache")
         if cached is not None:
-            (cached_loc, cached_scale, cached_versions), values = cached
-            if (
-                cached_loc is output_loc
-                and cached_scale is output_scale
-                and cached_versions == versions
+            (cached_buffers, cached_versions), values = cached
+            if cached_versions == versions and all(
+                a is b for a, b in zip(cached_buffers, buffers, strict=True)
             ):
                 return values
         with torch.no_grad():
             offset = self.output_loc / self.output_scale
+            to_metric = self.output_scale * self.metric_root
             values = (
                 None if bool((offset == 0).all()) else offset,
-                None if bool((self.output_scale == 1).all()) else self.output_scale,
+                None if bool((to_metric == 1).all()) else to_metric,
             )
-        self.__dict__["_standardisation_cache"] = ((output_loc, output_scale, versions), values)
+        self.__dict__["_standardisation_cache"] = ((buffers, versions), values)
         return values
 
     def scaled_parameters(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -242,25 +252,40 @@ class LinearConstrainedNormalHead(nn.Module):
             raw = self.raw_scale
         return loc, self.min_scale + F.softplus(raw)
 
-    def _scaled_normal(self, loc, scale, k) -> LinearConstrainedNormal:
-        return self.scaled_constraint.normal(loc, scale, k=k, validate_args=self.validate_args)
+    def _metric_parameters(self, features: torch.Tensor, k: torch.Tensor):
+        """``(centre, loc, scale)`` in the metric coordinates ``z = sqrt(metric) y``: the
+        unprojected ``loc``, the centre of the predictive distribution (``loc`` projected
+        orthogonally onto ``{A y = k}`` for ``prediction="projection"``, ``loc`` itself for
+        ``"conditional"``) and the scale."""
+        loc, scale = self.scaled_parameters(features)
+        _, to_metric = self._standardisation()
+        if to_metric is not None:
+            loc, scale = loc * to_metric, scale * to_metric
+        if self.prediction == "projection":
+            return self.metric_constraint.project(loc, k), loc, scale
+        return loc, loc, scale
+
+    def _metric_normal(self, loc, scale, k) -> LinearConstrainedNormal:
+        return self.metric_constraint.normal(loc, scale, k=k, validate_args=self.validate_args)
 
     # -- prediction ---------------------------------------------------------------------------
 
     def forward(self, features: torch.Tensor, k: torch.Tensor) -> LinearConstrainedNormal:
         """The predictive distribution of the outputs in their own units: batch shape
         ``features.shape[:-1]`` broadcast with ``k.shape[:-1]``, event shape (n,); its
-        scale includes the calibration factor."""
-        loc, scale = self.scaled_parameters(features)
+        scale includes the calibration factor. With ``prediction="projection"`` its mean is
+        the metric-orthogonal projection of the unconstrained ``loc`` onto ``{A y = k}``;
+        with ``"conditional"`` the ``Sigma^{-1}``-weighted one."""
+        centre, _, scale = self._metric_parameters(features, k)
         return self.constraint.normal(
-            loc * self.output_scale,
-            scale * (self.scale_factor * self.output_scale),
+            centre / self.metric_root,
+            scale * (self.scale_factor / self.metric_root),
             k=k,
             validate_args=self.validate_args,
         )
 
     def project(self, features: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """The point prediction ``mu_bar`` (the predictive mean) in the outputs' units."""
+        """The point prediction (the predictive mean) in the outputs' units."""
         return self(features, k).mean
 
     @torch.no_grad()
@@ -288,24 +313,31 @@ class LinearConstrainedNormalHead(nn.Module):
         self, features: torch.Tensor, k: torch.Tensor, target: torch.Tensor, *, loss=None
     ) -> torch.Tensor:
         """The training loss, averaged over the batch (summed over the n outputs), in the
-        scaled coordinates ``y / output_scale`` (see the module docstring for the choice).
+        metric coordinates ``sqrt(metric) y`` (see the module docstring for the choice), for
+        the predictive distribution that :meth:`forward` returns.
 
-        ``"nll"`` is ``-log p(y / output_scale)``, which differs from the NLL in the outputs'
+        ``"nll"`` is ``-log p(sqrt(metric) y)``, which differs from the NLL in the outputs'
         own units by a constant (the log-determinant of the scaling on the subspace).
         """
         loss = self.loss_name if loss is None else loss
         if loss not in LOSSES:
             raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
-        _, output_scale = self._standardisation()
-        if output_scale is not None:
-            target = target / output_scale
-        loc, scale = self.scaled_parameters(features)
-        if loss == "mse+nll":
-            # The mean branch sees only squared error, the scale only likelihood (given loc).
-            nll = -self._scaled_normal(loc.detach(), scale, k).log_prob(target)
-            per_example = (loc - target).square().sum(-1) + nll
+        if self.metric_constraint is not self.constraint:
+            target = target * self.metric_root
+        centre, loc, scale = self._metric_parameters(features, k)
+        if loss in ("mse+nll", "loc_mse+nll"):
+            # The mean branch sees only squared error, the scale only likelihood (given the
+            # centre): the scale is fitted to the residuals of the prediction it serves.
+            nll = -self._metric_normal(centre.detach(), scale, k).log_prob(target)
+            if loss == "loc_mse+nll":
+                fitted = loc
+            elif self.prediction == "projection":
+                fitted = centre
+            else:
+                fitted = self._metric_normal(centre, scale.detach(), k).mean
+            per_example = (fitted - target).square().sum(-1) + nll
         else:
-            dist = self._scaled_normal(loc, scale, k)
+            dist = self._metric_normal(centre, scale, k)
             if loss == "nll":
                 per_example = -dist.log_prob(target)
             elif loss == "expected_l2":
