@@ -8,43 +8,59 @@ example shares ``A`` and has its own right-hand side ``k = b - B x``.
 
 Usage::
 
-    params, state = init_head(key, in_features, constraint, output_loc=m, output_scale=s)
+    params, state = init_head(key, in_features, constraint)        # metric=w: your error
     loss = head_loss(params, state, features, k, target)          # differentiate in params
+    state = calibrate_head(params, state, features_val, k_val, y_val)
     dist = head_distribution(params, state, features, k)           # predictions, intervals
 
 ``params`` is a dict of arrays (what an optimiser updates); ``state`` holds what is not
-trained: the constraint, its scaled copy ``A diag(output_scale)`` (factorised once, at
-init), ``output_loc``, ``output_scale`` and ``min_scale``. Both are pytrees, so the
-functions work under ``jax.jit`` / ``jax.grad`` / ``jax.vmap``.
+trained: the constraint, its copy in the metric coordinates ``A diag(1 / sqrt(metric))``
+(factorised once, at init), ``output_loc``, ``output_scale``, ``sqrt(metric)``,
+``min_scale`` and the calibration factor. Both are pytrees, so the functions work under
+``jax.jit`` / ``jax.grad`` / ``jax.vmap``.
 
-**Which loss to use when** (``mu_bar``: the conditional mean, the ``Sigma^{-1}``-weighted
-projection of ``loc`` onto ``{A y = k}``; ``s``: the scales):
+**Metric and prediction.** ``metric=w`` (``init_head``; default 1) is the squared error the
+point prediction is judged by, ``sum_i w_i (y_hat_i - y_i)^2``. With
+``prediction="projection"`` (the default of every function) the predictive distribution is
+``N(P(loc), diag(s^2))`` conditioned on ``A y = k``, ``P`` the orthogonal projection onto
+``{A y = k}`` in the metric: its mean ``P(loc)`` is, by Pythagoras, never further from a
+target that satisfies the balances than the unconstrained ``loc`` (``||P(loc) - y||_W <=
+||loc - y||_W``: ``P(loc) - y`` lies in the set's directions, ``loc - P(loc)`` is
+``W``-orthogonal to them), and its covariance and likelihood come from the fitted scales
+``s``. ``prediction="conditional"`` centres it at ``loc`` (mean: the
+``Sigma^{-1}``-weighted projection, with no such bound).
 
-- ``"mse+nll"`` (default, recommended): ``||loc - y||^2 - log p(y)`` with ``loc`` held
-  fixed in the log-likelihood: the mean branch learns an unconstrained prediction by plain
-  squared error (every output weighted alike), the scale is fitted by likelihood to its
-  residuals, and the prediction ``mu_bar`` conditions ``loc`` on the balances with those
-  scales as weights. Then :func:`calibrate_head` on held-out data.
+**Which loss to use when**:
+
+- ``"mse+nll"`` (default, recommended): ``||P(loc) - y||_W^2 - log p(y)`` with the centre
+  held fixed in the log-likelihood: the mean branch trains exactly as the orthogonal
+  projection layer (KKThPINN) in the metric, the scale by likelihood of that prediction's
+  residuals. Then :func:`calibrate_head` on held-out data.
+- ``"loc_mse+nll"``: ``||loc - y||_W^2 - log p(y)``: a plain regression of ``loc``,
+  projected afterwards.
 - ``"nll"``: ``-log p(y)``; weights each output's squared error by ``1 / s_i^2``, trading
   squared error on noisy outputs for likelihood on precise ones. For when the likelihood
   itself is the goal.
-- ``"mse"``: ``||mu_bar - y||^2`` (with a constant scale: the orthogonal projection layer);
-  the scale is not calibrated.
-- ``"expected_l2"`` / ``"expected_l1"``: ``E ||y_hat - y||^2`` or ``E ||y_hat - y||_1`` for
-  a predictive draw ``y_hat``; minimised by ``s -> 0``, so the scale rests on its floor and
-  the intervals are not calibrated.
+- ``"mse"``: the squared error of the mean alone; the scale is not trained.
+- ``"expected_l2"`` / ``"expected_l1"``: ``E ||y_hat - y||_W^2`` or ``E ||y_hat - y||_1``
+  for a predictive draw ``y_hat``; minimised by ``s -> 0``, so the scale rests on its floor
+  and the intervals are not calibrated.
+
+What the benchmark of ``benchmarks/surrogate.py`` shows, and where the head does not win,
+is summarised in :mod:`pyro_constrained.nn` (the same recipe).
 
 **Calibration**: :func:`calibrate_head` fits one factor ``t`` for all scales by maximum
-likelihood on held-out data, ``t^2 = mean ||(y - mu_bar) / s||^2 / (n - a)``; ``mu_bar``
-does not change.
+likelihood on held-out data, ``t^2 = mean ||(y - mean) / s||^2 / (n - a)``; the mean does
+not change.
 
 **Scale**: ``s = min_scale + softplus(raw)`` in units of ``output_scale``, with ``raw`` one
 learned vector (``"per_output"``, default: homoscedastic, one factorisation of
 ``A diag(s)`` for the whole batch) or from a small MLP of its own on the features with
-their gradient stopped (``"per_example"``): the floor holds whatever the loss does. The losses
-are computed in the scaled coordinates ``y / output_scale`` (constraint
-``A diag(output_scale)``, same ``k``; scaling without centring keeps the relative support
-tolerance invariant).
+their gradient stopped (``"per_example"``): the floor holds whatever the loss does. The
+losses are computed in the metric coordinates ``sqrt(metric) y`` (constraint
+``A diag(1 / sqrt(metric))``, same ``k``; scaling without centring keeps the relative
+support tolerance invariant). ``output_loc`` / ``output_scale`` change only the
+parameterisation of the mean layer and the scale.
 """
 
 from __future__ import annotations
@@ -279,8 +295,8 @@ def calibrate_head(
 ) -> dict:
     """A copy of ``state`` whose ``scale_factor`` ``t`` maximises the likelihood of held-out
     examples: for ``Sigma -> t^2 Sigma`` the log-density on the ``(n - a)``-dimensional
-    subspace changes as ``-(n - a) log t - M / (2 t^2)``, ``M = ||(y - mu_bar) / s||^2``
-    (``mu_bar`` does not depend on ``t``), so ``t^2 = sum M / (N (n - a))``. Pass the
+    subspace changes as ``-(n - a) log t - M / (2 t^2)``, ``M = ||(y - mean) / s||^2``
+    (the mean does not depend on ``t``), so ``t^2 = sum M / (N (n - a))``. Pass the
     ``prediction`` that :func:`head_distribution` will be called with.
 
     Examples
