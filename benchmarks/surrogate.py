@@ -29,7 +29,9 @@ averaged over the batch, in the scaled units the test MSE is measured in):
   squared error of ``loc`` per training standard deviation, ``metric = 1 / std^2``,
   ``prediction="conditional"``: the ``Sigma^{-1}``-weighted projection);
 - ``head nll standardised`` and ``head expected_l2 standardised``: the other losses
-  (default prediction).
+  (default prediction);
+- ``head per_example``: the default recipe with a heteroscedastic scale (a small MLP on
+  the detached features; the mean is trained as in ``head``).
 
 Reported: test MSE (mean and standard error over the seeds, x 1e-4), the largest relative
 balance violation ``|A y - k| / (|A| |y| + |k|)`` of the predicted means on the test rows
@@ -82,8 +84,9 @@ METHODS = (
     "head before issue 35",
     "head nll standardised",
     "head expected_l2 standardised",
+    "head per_example",
 )
-# name -> (head_loss's loss, prediction, standardise, metric 1 / std^2)
+# name -> (head_loss's loss, prediction, standardise, metric 1 / std^2[, scale])
 HEADS = {
     "head": ("mse+nll", "projection", False, False),
     "head standardised": ("mse+nll", "projection", True, False),
@@ -92,6 +95,7 @@ HEADS = {
     "head before issue 35": ("loc_mse+nll", "conditional", True, True),
     "head nll standardised": ("nll", "projection", True, False),
     "head expected_l2 standardised": ("expected_l2", "projection", True, False),
+    "head per_example": ("mse+nll", "projection", False, False, "per_example"),
 }
 # The names of the first full run (before the losses were renamed), for --from-json.
 _OLD_NAMES = {
@@ -197,9 +201,9 @@ def make_method(method: str, data: dict, in_features: int):
 
         return init, loss, predict, None
 
-    loss_name, prediction, standardise, std_metric = HEADS[method]
+    loss_name, prediction, standardise, std_metric, *scale = HEADS[method]
     y_train = np.asarray(data["train"]["y"], np.float64)
-    options = {}
+    options = {"scale": scale[0]} if scale else {}
     if standardise:
         options["output_loc"] = y_train.mean(0)
         options["output_scale"] = np.maximum(y_train.std(0), 1e-6)
