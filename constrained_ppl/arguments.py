@@ -108,23 +108,29 @@ def check_value_shape(
 
 
 def check_head_options(
-    n: int, *, min_scale: float, init_scale: float, output_loc, output_scale
+    n: int, *, min_scale: float, init_scale: float, output_loc, output_scale, metric=None
 ) -> None:
-    """The regression head's scale floor and output standardisation, the same in both
-    packages (``pyro_constrained.nn``, ``numpyro_constrained.nn``): ``min_scale`` positive
-    and finite, ``init_scale`` above it, ``output_loc`` and ``output_scale`` finite of shape
-    ``(n,)`` (NumPy arrays, concrete), ``output_scale`` positive."""
+    """The regression head's scale floor, output standardisation and metric, the same in
+    both packages (``pyro_constrained.nn``, ``numpyro_constrained.nn``): ``min_scale``
+    positive and finite, ``init_scale`` above it, ``output_loc``, ``output_scale`` and
+    ``metric`` finite of shape ``(n,)`` (NumPy arrays, concrete), ``output_scale`` and
+    ``metric`` positive."""
     if not (min_scale > 0 and math.isfinite(min_scale)):
         raise ValueError(f"min_scale must be positive and finite, got {min_scale}")
     if not init_scale > min_scale:
         raise ValueError(f"init_scale ({init_scale}) must exceed min_scale ({min_scale})")
-    for name, value in (("output_loc", output_loc), ("output_scale", output_scale)):
+    arrays = [("output_loc", output_loc), ("output_scale", output_scale)]
+    if metric is not None:
+        arrays.append(("metric", metric))
+    for name, value in arrays:
         if value.shape != (n,):
             raise ValueError(f"{name} must have shape ({n},), got {tuple(value.shape)}")
         if not np.isfinite(value).all():
             raise ValueError(f"{name} must be finite")
     if not (output_scale > 0).all():
         raise ValueError("output_scale must be positive")
+    if metric is not None and not (metric > 0).all():
+        raise ValueError("metric must be positive (one weight per output)")
 
 
 def keyword_only(*names: str, usage: str):

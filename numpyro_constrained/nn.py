@@ -8,43 +8,59 @@ example shares ``A`` and has its own right-hand side ``k = b - B x``.
 
 Usage::
 
-    params, state = init_head(key, in_features, constraint, output_loc=m, output_scale=s)
+    params, state = init_head(key, in_features, constraint)        # metric=w: your error
     loss = head_loss(params, state, features, k, target)          # differentiate in params
+    state = calibrate_head(params, state, features_val, k_val, y_val)
     dist = head_distribution(params, state, features, k)           # predictions, intervals
 
 ``params`` is a dict of arrays (what an optimiser updates); ``state`` holds what is not
-trained: the constraint, its scaled copy ``A diag(output_scale)`` (factorised once, at
-init), ``output_loc``, ``output_scale`` and ``min_scale``. Both are pytrees, so the
-functions work under ``jax.jit`` / ``jax.grad`` / ``jax.vmap``.
+trained: the constraint, its copy in the metric coordinates ``A diag(1 / sqrt(metric))``
+(factorised once, at init), ``output_loc``, ``output_scale``, ``sqrt(metric)``,
+``min_scale`` and the calibration factor. Both are pytrees, so the functions work under
+``jax.jit`` / ``jax.grad`` / ``jax.vmap``.
 
-**Which loss to use when** (``mu_bar``: the conditional mean, the ``Sigma^{-1}``-weighted
-projection of ``loc`` onto ``{A y = k}``; ``s``: the scales):
+**Metric and prediction.** ``metric=w`` (``init_head``; default 1) is the squared error the
+point prediction is judged by, ``sum_i w_i (y_hat_i - y_i)^2``. With
+``prediction="projection"`` (the default of every function) the predictive distribution is
+``N(P(loc), diag(s^2))`` conditioned on ``A y = k``, ``P`` the orthogonal projection onto
+``{A y = k}`` in the metric: its mean ``P(loc)`` is, by Pythagoras, never further from a
+target that satisfies the balances than the unconstrained ``loc`` (``||P(loc) - y||_W <=
+||loc - y||_W``: ``P(loc) - y`` lies in the set's directions, ``loc - P(loc)`` is
+``W``-orthogonal to them), and its covariance and likelihood come from the fitted scales
+``s``. ``prediction="conditional"`` centres it at ``loc`` (mean: the
+``Sigma^{-1}``-weighted projection, with no such bound).
 
-- ``"mse+nll"`` (default, recommended): ``||loc - y||^2 - log p(y)`` with ``loc`` held
-  fixed in the log-likelihood: the mean branch learns an unconstrained prediction by plain
-  squared error (every output weighted alike), the scale is fitted by likelihood to its
-  residuals, and the prediction ``mu_bar`` conditions ``loc`` on the balances with those
-  scales as weights. Then :func:`calibrate_head` on held-out data.
+**Which loss to use when**:
+
+- ``"mse+nll"`` (default, recommended): ``||P(loc) - y||_W^2 - log p(y)`` with the centre
+  held fixed in the log-likelihood: the mean branch trains exactly as the orthogonal
+  projection layer (KKThPINN) in the metric, the scale by likelihood of that prediction's
+  residuals. Then :func:`calibrate_head` on held-out data.
+- ``"loc_mse+nll"``: ``||loc - y||_W^2 - log p(y)``: a plain regression of ``loc``,
+  projected afterwards.
 - ``"nll"``: ``-log p(y)``; weights each output's squared error by ``1 / s_i^2``, trading
   squared error on noisy outputs for likelihood on precise ones. For when the likelihood
   itself is the goal.
-- ``"mse"``: ``||mu_bar - y||^2`` (with a constant scale: the orthogonal projection layer);
-  the scale is not calibrated.
-- ``"expected_l2"`` / ``"expected_l1"``: ``E ||y_hat - y||^2`` or ``E ||y_hat - y||_1`` for
-  a predictive draw ``y_hat``; minimised by ``s -> 0``, so the scale rests on its floor and
-  the intervals are not calibrated.
+- ``"mse"``: the squared error of the mean alone; the scale is not trained.
+- ``"expected_l2"`` / ``"expected_l1"``: ``E ||y_hat - y||_W^2`` or ``E ||y_hat - y||_1``
+  for a predictive draw ``y_hat``; minimised by ``s -> 0``, so the scale rests on its floor
+  and the intervals are not calibrated.
+
+What the benchmark of ``benchmarks/surrogate.py`` shows, and where the head does not win,
+is summarised in :mod:`pyro_constrained.nn` (the same recipe).
 
 **Calibration**: :func:`calibrate_head` fits one factor ``t`` for all scales by maximum
-likelihood on held-out data, ``t^2 = mean ||(y - mu_bar) / s||^2 / (n - a)``; ``mu_bar``
-does not change.
+likelihood on held-out data, ``t^2 = mean ||(y - mean) / s||^2 / (n - a)``; the mean does
+not change.
 
 **Scale**: ``s = min_scale + softplus(raw)`` in units of ``output_scale``, with ``raw`` one
 learned vector (``"per_output"``, default: homoscedastic, one factorisation of
 ``A diag(s)`` for the whole batch) or from a small MLP of its own on the features with
-their gradient stopped (``"per_example"``): the floor holds whatever the loss does. The losses
-are computed in the scaled coordinates ``y / output_scale`` (constraint
-``A diag(output_scale)``, same ``k``; scaling without centring keeps the relative support
-tolerance invariant).
+their gradient stopped (``"per_example"``): the floor holds whatever the loss does. The
+losses are computed in the metric coordinates ``sqrt(metric) y`` (constraint
+``A diag(1 / sqrt(metric))``, same ``k``; scaling without centring keeps the relative
+support tolerance invariant). ``output_loc`` / ``output_scale`` change only the
+parameterisation of the mean layer and the scale.
 """
 
 from __future__ import annotations
@@ -60,8 +76,9 @@ from numpyro_constrained.linear_constrained_normal import LinearConstrainedNorma
 from numpyro_constrained.linear_constraint import LinearConstraint
 from numpyro_constrained.losses import expected_l1_loss, expected_l2_loss
 
-LOSSES = ("mse+nll", "nll", "mse", "expected_l2", "expected_l1")
+LOSSES = ("mse+nll", "loc_mse+nll", "nll", "mse", "expected_l2", "expected_l1")
 SCALES = ("per_example", "per_output")
+PREDICTIONS = ("projection", "conditional")
 
 
 def _inverse_softplus(value: float) -> float:
@@ -94,6 +111,7 @@ def init_head(
     init_scale: float = 1.0,
     output_loc: jax.Array | None = None,
     output_scale: jax.Array | None = None,
+    metric: jax.Array | None = None,
     dtype=jnp.float32,
 ) -> tuple[dict, dict]:
     """Initial ``(params, state)`` of a head over ``constraint.n`` outputs.
@@ -108,7 +126,12 @@ def init_head(
     :param min_scale: the floor of the scale, in units of ``output_scale``.
     :param init_scale: the scale at initialisation, in units of ``output_scale``.
     :param output_loc: (n,) offset of the outputs (default 0).
-    :param output_scale: (n,) positive scale of the outputs (default 1).
+    :param output_scale: (n,) positive scale of the outputs (default 1): the mean layer
+        predicts ``(loc - output_loc) / output_scale`` and the scale is in these units.
+    :param metric: (n,) positive weights ``w`` of the squared error the point prediction
+        is judged by, ``sum_i w_i (y_i - y_hat_i)^2`` in the outputs' own units (default 1:
+        the plain squared error of the values passed in). The mean is trained and projected
+        in this metric.
     :param dtype: dtype of the parameters.
 
     Examples
@@ -131,12 +154,14 @@ def init_head(
     n = constraint.n
     output_loc = jnp.zeros(n, dtype) if output_loc is None else jnp.asarray(output_loc, dtype)
     output_scale = jnp.ones(n, dtype) if output_scale is None else jnp.asarray(output_scale, dtype)
+    metric = jnp.ones(n, dtype) if metric is None else jnp.asarray(metric, dtype)
     check_head_options(
         n,
         min_scale=min_scale,
         init_scale=init_scale,
         output_loc=np.asarray(output_loc),
         output_scale=np.asarray(output_scale),
+        metric=np.asarray(metric),
     )
 
     key_mean, key_hidden = jax.random.split(key)
@@ -152,16 +177,20 @@ def init_head(
         }
     else:
         params["raw_scale"] = jnp.full((n,), raw_init, dtype)
-    scaled_constraint = (
+    # The losses and the projection live in the metric coordinates z = sqrt(w) y, where the
+    # user's squared error is the Euclidean one; their constraint is A diag(1 / sqrt(w)).
+    metric_root = jnp.sqrt(metric)
+    metric_constraint = (
         constraint
-        if bool((output_scale == 1).all())
-        else LinearConstraint(constraint.A * output_scale, rtol=constraint._rtol)
+        if bool((metric == 1).all())
+        else LinearConstraint(constraint.A / metric_root, rtol=constraint._rtol)
     )
     state = {
         "constraint": constraint,
-        "scaled_constraint": scaled_constraint,
+        "metric_constraint": metric_constraint,
         "output_loc": output_loc,
         "output_scale": output_scale,
+        "metric_root": metric_root,
         "min_scale": jnp.asarray(min_scale, dtype),
         "scale_factor": jnp.ones((), dtype),
     }
@@ -198,17 +227,36 @@ def head_parameters(params: dict, state: dict, features: jax.Array) -> tuple[jax
     return loc, state["min_scale"] + jax.nn.softplus(raw)
 
 
+def _metric_parameters(params: dict, state: dict, features: jax.Array, k, prediction: str):
+    """``(centre, loc, scale)`` in the metric coordinates ``z = sqrt(w) y``: the unprojected
+    ``loc``, the centre of the predictive distribution (``loc`` projected orthogonally onto
+    ``{A y = k}`` in the metric for ``prediction="projection"``, ``loc`` itself for
+    ``"conditional"``) and the scale."""
+    if prediction not in PREDICTIONS:
+        raise ValueError(f"prediction must be one of {PREDICTIONS}, got {prediction!r}")
+    loc, scale = head_parameters(params, state, features)
+    to_metric = state["output_scale"] * state["metric_root"]
+    loc, scale = loc * to_metric, scale * to_metric
+    centre = state["metric_constraint"].project(loc, k) if prediction == "projection" else loc
+    return centre, loc, scale
+
+
 def head_distribution(
     params: dict,
     state: dict,
     features: jax.Array,
     k: jax.Array,
     *,
+    prediction: str = "projection",
     validate_args: bool | None = None,
 ) -> LinearConstrainedNormal:
     """The predictive distribution of the outputs in their own units: batch shape
     ``features.shape[:-1]`` broadcast with ``k.shape[:-1]``, event shape (n,); its scale
-    includes the calibration factor ``state["scale_factor"]``.
+    includes the calibration factor ``state["scale_factor"]``. With
+    ``prediction="projection"`` (default) its mean is the metric-orthogonal projection of
+    the unconstrained ``loc`` onto ``{A y = k}`` (never further from a target that
+    satisfies the balances than ``loc``, in the metric); ``"conditional"``: the
+    ``Sigma^{-1}``-weighted projection (the conditional mean of ``N(loc, diag(s^2))``).
 
     Examples
     --------
@@ -226,23 +274,30 @@ def head_distribution(
     >>> bool(jnp.allclose(prediction.mean.sum(-1), k[:, 0], atol=1e-5))
     True
     """
-    loc, scale = head_parameters(params, state, features)
-    output_scale = state["output_scale"]
+    centre, _, scale = _metric_parameters(params, state, features, k, prediction)
+    metric_root = state["metric_root"]
     return state["constraint"].normal(
-        loc * output_scale,
-        scale * (state["scale_factor"] * output_scale),
+        centre / metric_root,
+        scale * (state["scale_factor"] / metric_root),
         k=k,
         validate_args=validate_args,
     )
 
 
 def calibrate_head(
-    params: dict, state: dict, features: jax.Array, k: jax.Array, target: jax.Array
+    params: dict,
+    state: dict,
+    features: jax.Array,
+    k: jax.Array,
+    target: jax.Array,
+    *,
+    prediction: str = "projection",
 ) -> dict:
     """A copy of ``state`` whose ``scale_factor`` ``t`` maximises the likelihood of held-out
     examples: for ``Sigma -> t^2 Sigma`` the log-density on the ``(n - a)``-dimensional
-    subspace changes as ``-(n - a) log t - M / (2 t^2)``, ``M = ||(y - mu_bar) / s||^2``
-    (``mu_bar`` does not depend on ``t``), so ``t^2 = sum M / (N (n - a))``.
+    subspace changes as ``-(n - a) log t - M / (2 t^2)``, ``M = ||(y - mean) / s||^2``
+    (the mean does not depend on ``t``), so ``t^2 = sum M / (N (n - a))``. Pass the
+    ``prediction`` that :func:`head_distribution` will be called with.
 
     Examples
     --------
@@ -262,7 +317,7 @@ def calibrate_head(
     2.0
     """
     state = dict(state, scale_factor=jnp.ones_like(state["scale_factor"]))
-    dist = head_distribution(params, state, features, k)
+    dist = head_distribution(params, state, features, k, prediction=prediction)
     mahalanobis = jnp.sum(jnp.square((target - dist.mean) / dist.scale), -1)
     constraint = state["constraint"]
     factor = jnp.sqrt(jnp.mean(mahalanobis) / (constraint.n - constraint.a))
@@ -277,12 +332,15 @@ def head_loss(
     target: jax.Array,
     *,
     loss: str = "mse+nll",
+    prediction: str = "projection",
     validate_args: bool | None = None,
 ) -> jax.Array:
     """The training loss, averaged over the batch (summed over the n outputs), in the
-    scaled coordinates ``y / output_scale`` (module docstring: which loss when).
+    metric coordinates ``sqrt(metric) y`` (module docstring: which loss when), for the
+    predictive distribution that :func:`head_distribution` gives with the same
+    ``prediction``.
 
-    ``"nll"`` is ``-log p(y / output_scale)``: it differs from the NLL in the outputs' own
+    ``"nll"`` is ``-log p(sqrt(metric) y)``: it differs from the NLL in the outputs' own
     units by a constant (the log-determinant of the scaling on the subspace).
 
     Examples
@@ -302,19 +360,26 @@ def head_loss(
     """
     if loss not in LOSSES:
         raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
-    target = target / state["output_scale"]
-    loc, scale = head_parameters(params, state, features)
-    constraint = state["scaled_constraint"]
+    target = target * state["metric_root"]
+    centre, loc, scale = _metric_parameters(params, state, features, k, prediction)
+    constraint = state["metric_constraint"]
 
     def normal(loc, scale):
         return constraint.normal(loc, scale, k=k, validate_args=validate_args)
 
-    if loss == "mse+nll":
-        # The mean branch sees only squared error, the scale only likelihood (given loc).
-        nll = -normal(jax.lax.stop_gradient(loc), scale).log_prob(target)
-        per_example = jnp.sum(jnp.square(loc - target), -1) + nll
+    if loss in ("mse+nll", "loc_mse+nll"):
+        # The mean branch sees only squared error, the scale only likelihood (given the
+        # centre): the scale is fitted to the residuals of the prediction it will serve.
+        nll = -normal(jax.lax.stop_gradient(centre), scale).log_prob(target)
+        if loss == "loc_mse+nll":
+            fitted = loc
+        elif prediction == "projection":
+            fitted = centre
+        else:
+            fitted = normal(centre, jax.lax.stop_gradient(scale)).mean
+        per_example = jnp.sum(jnp.square(fitted - target), -1) + nll
     else:
-        dist = normal(loc, scale)
+        dist = normal(centre, scale)
         if loss == "nll":
             per_example = -dist.log_prob(target)
         elif loss == "expected_l2":

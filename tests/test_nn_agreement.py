@@ -12,7 +12,7 @@ from numpyro_constrained.nn import calibrate_head, head_distribution, head_loss,
 from pyro_constrained.nn import LinearConstrainedNormalHead
 
 IN_FEATURES, N, A_ROWS, BATCH = 4, 5, 2, 3
-LOSSES = ("mse+nll", "nll", "mse", "expected_l2", "expected_l1")
+LOSSES = ("mse+nll", "loc_mse+nll", "nll", "mse", "expected_l2", "expected_l1")
 
 
 def _jax_params_from(head: LinearConstrainedNormalHead) -> dict:
@@ -31,8 +31,11 @@ def _jax_params_from(head: LinearConstrainedNormalHead) -> dict:
     return params
 
 
-@pytest.mark.parametrize("scale", ["per_example", "per_output"])
-def test_torch_and_jax_heads_agree(scale):
+@pytest.mark.parametrize(
+    "scale, prediction",
+    [("per_example", "projection"), ("per_output", "projection"), ("per_output", "conditional")],
+)
+def test_torch_and_jax_heads_agree(scale, prediction):
     rng = np.random.default_rng(0)
     A = rng.normal(size=(A_ROWS, N))
     features = rng.normal(size=(BATCH, IN_FEATURES))
@@ -41,6 +44,7 @@ def test_torch_and_jax_heads_agree(scale):
     target = raw + np.linalg.lstsq(A, (k - raw @ A.T).T, rcond=None)[0].T
     output_loc = rng.normal(size=N)
     output_scale = rng.uniform(0.5, 2.0, size=N)
+    metric = rng.uniform(0.2, 5.0, size=N)
 
     torch.manual_seed(0)
     head = LinearConstrainedNormalHead(
@@ -49,6 +53,8 @@ def test_torch_and_jax_heads_agree(scale):
         scale=scale,
         output_loc=torch.tensor(output_loc),
         output_scale=torch.tensor(output_scale),
+        metric=torch.tensor(metric),
+        prediction=prediction,
     ).double()
     with torch.no_grad():
         for parameter in head.parameters():
@@ -60,6 +66,7 @@ def test_torch_and_jax_heads_agree(scale):
         scale=scale,
         output_loc=output_loc,
         output_scale=output_scale,
+        metric=metric,
         dtype=jnp.float64,
     )
     params = _jax_params_from(head)
@@ -68,16 +75,18 @@ def test_torch_and_jax_heads_agree(scale):
     j = {name: jnp.asarray(x) for name, x in (("f", features), ("k", k), ("y", target))}
     for name in LOSSES:
         np.testing.assert_allclose(
-            float(head_loss(params, state, j["f"], j["k"], j["y"], loss=name)),
+            float(
+                head_loss(params, state, j["f"], j["k"], j["y"], loss=name, prediction=prediction)
+            ),
             head.loss(t["f"], t["k"], t["y"], loss=name).item(),
             rtol=1e-10,
             err_msg=name,
         )
     factor = head.calibrate(t["f"], t["k"], t["y"])
-    state = calibrate_head(params, state, j["f"], j["k"], j["y"])
+    state = calibrate_head(params, state, j["f"], j["k"], j["y"], prediction=prediction)
     np.testing.assert_allclose(float(state["scale_factor"]), factor, rtol=1e-10)
     torch_dist = head(t["f"], t["k"])
-    jax_dist = head_distribution(params, state, j["f"], j["k"])
+    jax_dist = head_distribution(params, state, j["f"], j["k"], prediction=prediction)
     np.testing.assert_allclose(jax_dist.mean, torch_dist.mean.detach().numpy(), rtol=1e-10)
     np.testing.assert_allclose(
         jax_dist.variance, torch_dist.variance.detach().numpy(), rtol=1e-9, atol=1e-14

@@ -20,7 +20,7 @@ from numpyro_constrained.nn import (
 from tests.oracles import linear_gaussian as oracle
 
 IN_FEATURES, N, A_ROWS, BATCH = 4, 5, 2, 3
-LOSSES = ("mse+nll", "nll", "mse", "expected_l2", "expected_l1")
+LOSSES = ("mse+nll", "loc_mse+nll", "nll", "mse", "expected_l2", "expected_l1")
 
 
 def _problem(dtype, seed=0):
@@ -36,6 +36,7 @@ def _problem(dtype, seed=0):
         "target": jnp.asarray(target, dtype),
         "output_loc": jnp.asarray(rng.normal(size=N), dtype),
         "output_scale": jnp.asarray(rng.uniform(0.5, 3.0, size=N), dtype),
+        "metric": jnp.asarray(rng.uniform(0.2, 5.0, size=N), dtype),
         "constraint": LinearConstraint(jnp.asarray(A, dtype)),
     }
 
@@ -48,6 +49,7 @@ def _head(p, dtype, *, scale="per_example", seed=0, perturb=True):
         scale=scale,
         output_loc=p["output_loc"],
         output_scale=p["output_scale"],
+        metric=p["metric"],
         dtype=dtype,
     )
     if perturb:
@@ -86,28 +88,44 @@ def test_shapes_and_constraint_per_example(dtype, scale):
         assert (residual <= 64 * eps * bound).all()
 
 
+def _metric_projection(loc, A, k, metric):
+    """argmin over {A y = k} of sum_i metric_i (y_i - loc_i)^2 per row (NumPy lstsq in
+    z = sqrt(metric) y)."""
+    root = np.sqrt(metric)
+    A_z, z = A / root, loc * root
+    return (z + np.linalg.lstsq(A_z, (k - z @ A_z.T).T, rcond=None)[0].T) / root
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
 @pytest.mark.parametrize("scale", ["per_example", "per_output"])
 def test_losses_equal_references(dtype, scale):
+    """The default prediction is the metric-orthogonal projection of loc (NumPy); every loss
+    is that of the distribution centred there, in the metric coordinates sqrt(metric) y
+    (SciPy's singular normal and quadrature)."""
     p = _problem(dtype, seed=1)
     params, state = _head(p, dtype, scale=scale)
     loc, s = head_parameters(params, state, p["features"])
-    loc = np.asarray(loc, np.float64)
-    s = np.broadcast_to(np.asarray(s, np.float64), loc.shape)
     output_scale = np.asarray(p["output_scale"], np.float64)
-    A_scaled = p["A"] * output_scale
+    root = np.sqrt(np.asarray(p["metric"], np.float64))
+    loc = np.asarray(loc, np.float64) * output_scale
+    s = np.broadcast_to(np.asarray(s, np.float64), loc.shape) * output_scale
     k = np.asarray(p["k"], np.float64)
-    target = np.asarray(p["target"], np.float64) / output_scale
+    projected = _metric_projection(loc, p["A"], k, root**2)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == jnp.float32 else dict(rtol=1e-9, atol=1e-12)
+    mean = head_distribution(params, state, p["features"], p["k"]).mean
+    np.testing.assert_allclose(np.asarray(mean, np.float64), projected, **tol)
+    # In the metric coordinates.
+    loc, s, centre, A_z = loc * root, s * root, projected * root, p["A"] / root
+    target = np.asarray(p["target"], np.float64) * root
     covs = [np.diag(s[i] ** 2) for i in range(BATCH)]
-    nll = np.array([-oracle.logpdf(target[i], loc[i], covs[i], A_scaled, k[i]) for i in range(3)])
-    means = [oracle.conditional_moments(loc[i], covs[i], A_scaled, k[i])[0] for i in range(3)]
-    expected = [
-        oracle.expected_losses(loc[i], covs[i], A_scaled, k[i], target[i]) for i in range(3)
-    ]
+    nll = np.array([-oracle.logpdf(target[i], centre[i], covs[i], A_z, k[i]) for i in range(3)])
+    mse = np.sum((centre - target) ** 2, -1)
+    expected = [oracle.expected_losses(centre[i], covs[i], A_z, k[i], target[i]) for i in range(3)]
     references = {
         "nll": nll.mean(),
-        "mse+nll": (np.sum((loc - target) ** 2, -1) + nll).mean(),
-        "mse": np.mean([np.sum((means[i] - target[i]) ** 2) for i in range(BATCH)]),
+        "mse+nll": (mse + nll).mean(),
+        "loc_mse+nll": (np.sum((loc - target) ** 2, -1) + nll).mean(),
+        "mse": mse.mean(),
         "expected_l1": np.mean([e[0] for e in expected]),
         "expected_l2": np.mean([e[1] for e in expected]),
     }
@@ -123,7 +141,11 @@ def test_losses_equal_references(dtype, scale):
 
 
 def test_projected_mean_of_a_constant_scale_is_the_least_squares_projection():
+    """prediction="conditional" with one scale in the metric coordinates (metric =
+    1 / output_scale^2, a fresh per-output head): the conditional mean is the Euclidean
+    projection there, and "mse" its squared error."""
     p = _problem(jnp.float64, seed=3)
+    p["metric"] = 1.0 / p["output_scale"] ** 2
     params, state = _head(p, jnp.float64, scale="per_output", perturb=False)
     loc, _ = head_parameters(params, state, p["features"])
     loc = np.asarray(loc)
@@ -133,9 +155,11 @@ def test_projected_mean_of_a_constant_scale_is_the_least_squares_projection():
     projected = loc + np.linalg.lstsq(A_scaled, (k - loc @ A_scaled.T).T, rcond=None)[0].T
     target = np.asarray(p["target"]) / output_scale
     reference = np.mean(np.sum((projected - target) ** 2, -1))
-    value = head_loss(params, state, p["features"], p["k"], p["target"], loss="mse")
+    value = head_loss(
+        params, state, p["features"], p["k"], p["target"], loss="mse", prediction="conditional"
+    )
     np.testing.assert_allclose(float(value), reference, rtol=1e-10)
-    mean = head_distribution(params, state, p["features"], p["k"]).mean
+    mean = head_distribution(params, state, p["features"], p["k"], prediction="conditional").mean
     np.testing.assert_allclose(np.asarray(mean), projected * output_scale, rtol=1e-10)
 
 
@@ -171,33 +195,45 @@ def test_scale_floor_holds_when_the_loss_collapses_the_scale(scale):
     assert (scale_in_units <= 1.05 * min_scale).all()
 
 
-def test_mse_plus_nll_separates_the_gradients():
-    """Default loss: the features get the gradient of ||loc - y||^2 alone, the scale
-    branch that of the NLL alone."""
+@pytest.mark.parametrize("loss", ["mse+nll", "loc_mse+nll"])
+def test_mse_plus_nll_separates_the_gradients(loss):
+    """Two-term losses: the features get the gradient of the metric's squared error alone
+    (of the projection of loc for "mse+nll", of loc for "loc_mse+nll"), the scale branch
+    that of the NLL alone, centred at the (stopped) projection of loc."""
     p = _problem(jnp.float64, seed=5)
     params, state = _head(p, jnp.float64)
-    target = p["target"] / p["output_scale"]
+    metric, A = p["metric"], jnp.asarray(p["A"])
+    gain = (A.T / metric[:, None]) @ jnp.linalg.inv((A / metric) @ A.T)
 
     def total(params, features):
-        return head_loss(params, state, features, p["k"], p["target"])
+        return head_loss(params, state, features, p["k"], p["target"], loss=loss)
+
+    def fitted(features):
+        loc, _ = head_parameters(params, state, features)
+        loc = loc * p["output_scale"]
+        return loc + (p["k"] - loc @ A.T) @ gain.T if loss == "mse+nll" else loc
 
     def squared_error(features):
-        loc, _ = head_parameters(params, state, features)
-        return jnp.mean(jnp.sum(jnp.square(loc - target), -1))
+        return jnp.mean(jnp.sum(metric * jnp.square(fitted(features) - p["target"]), -1))
+
+    loc, _ = head_parameters(params, state, p["features"])
+    centre = _metric_projection(
+        np.asarray(loc * p["output_scale"]), p["A"], np.asarray(p["k"]), np.asarray(metric)
+    )
 
     def nll(scale_params):
-        loc, s = head_parameters(dict(params, **scale_params), state, p["features"])
-        dist = state["scaled_constraint"].normal(jax.lax.stop_gradient(loc), s, k=p["k"])
-        return -jnp.mean(dist.log_prob(target))
+        _, s = head_parameters(dict(params, **scale_params), state, p["features"])
+        dist = p["constraint"].normal(centre, s * p["output_scale"], k=p["k"])
+        return -jnp.mean(dist.log_prob(p["target"]))
 
     grad_params, grad_features = jax.grad(total, argnums=(0, 1))(params, p["features"])
-    np.testing.assert_allclose(grad_features, jax.grad(squared_error)(p["features"]), rtol=1e-12)
+    np.testing.assert_allclose(grad_features, jax.grad(squared_error)(p["features"]), rtol=1e-10)
     scale_params = {key: params[key] for key in ("scale_hidden", "scale_out")}
     reference = jax.grad(nll)(scale_params)
     for key in scale_params:
         for leaf in ("weight", "bias"):
             np.testing.assert_allclose(
-                grad_params[key][leaf], reference[key][leaf], rtol=1e-10, atol=1e-14
+                grad_params[key][leaf], reference[key][leaf], rtol=1e-9, atol=1e-13
             )
 
 
@@ -255,6 +291,10 @@ def test_bad_arguments_raise_value_error():
         init_head(key, IN_FEATURES, c, output_loc=np.zeros(N + 2))
     with pytest.raises(ValueError, match="LinearConstraint"):
         init_head(key, IN_FEATURES, np.ones((1, N)))
+    with pytest.raises(ValueError, match="metric"):
+        init_head(key, IN_FEATURES, c, metric=-np.ones(N))
     params, state = init_head(key, IN_FEATURES, c, dtype=jnp.float64)
     with pytest.raises(ValueError, match="loss"):
         head_loss(params, state, p["features"], p["k"], p["target"], loss="mae")
+    with pytest.raises(ValueError, match="prediction"):
+        head_distribution(params, state, p["features"], p["k"], prediction="mean")

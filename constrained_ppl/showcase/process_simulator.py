@@ -81,7 +81,14 @@ def balance_matrices() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return A, B, np.zeros(A.shape[0])
 
 
-def _reactor_and_flash(x: np.ndarray, activity: np.ndarray, vapour_shift: np.ndarray):
+# Heats of reaction (kJ/kmol, exothermic) and the latent heat of the flash (kJ/kmol).
+_HEAT_OF_REACTION = np.array([-9.0e4, -1.4e5])
+_LATENT_HEAT = 3.2e4
+
+
+def _reactor_and_flash(
+    x: np.ndarray, activity: np.ndarray, vapour_shift: np.ndarray, duties: bool = False
+):
     f_a1, f_i1, f_b2, f_c2, temperature, tau = x.T
     n_a, n_b, n_c, n_i = f_a1, f_b2, f_c2, f_i1
     inverse_t = 1.0 / temperature - 1.0 / 360.0
@@ -99,7 +106,13 @@ def _reactor_and_flash(x: np.ndarray, activity: np.ndarray, vapour_shift: np.nda
     split = VOLATILITY * psi[:, None] / (1.0 - psi[:, None] + VOLATILITY * psi[:, None])
     top = effluent * split
     bottom = effluent - top
-    return np.concatenate([effluent, top, bottom], axis=-1)
+    flows = [effluent, top, bottom]
+    if duties:
+        # Heat removed from the reactor and added in the flash (kW): outside the balances.
+        reactor = -(_HEAT_OF_REACTION[0] * xi1 + _HEAT_OF_REACTION[1] * xi2) / 3600.0
+        flash = _LATENT_HEAT * top.sum(-1) / 3600.0
+        flows.append(np.stack([reactor, flash], axis=-1))
+    return np.concatenate(flows, axis=-1)
 
 
 def simulate(
@@ -109,6 +122,8 @@ def simulate(
     activity_sd: float = 0.15,
     vapour_sd: float = 0.25,
     digits: int | None = 7,
+    duties: bool = False,
+    ordered: bool = False,
 ) -> dict:
     """Simulate ``num_examples`` steady states at random operating points.
 
@@ -116,18 +131,36 @@ def simulate(
     :param activity_sd: standard deviation of the log catalyst activity.
     :param vapour_sd: standard deviation of the disturbance of the vapour-fraction logit.
     :param digits: significant digits the measurements are rounded to (None: no rounding).
-    :returns: dict with ``x`` (num_examples, 6), ``y`` (num_examples, 15), ``k = -B x``
+    :param duties: append the reactor's and the flash's heat duties (kW, outside the
+        balances: ``A`` and ``B`` get zero columns / rows for them) to the outputs.
+    :param ordered: rows in the order of a plant campaign (see :func:`campaign_order`),
+        so that a sequential split extrapolates; otherwise independent operating points.
+    :returns: dict with ``x`` (num_examples, 6), ``y`` (num_examples, 15, or 17 with
+        ``duties``), ``k = -B x``
         (num_examples, 8) computed from the rounded inputs, ``A``, ``B``, ``b``, and the
         input and output names.
     """
-    x = _INPUT_LOW + (_INPUT_HIGH - _INPUT_LOW) * rng.uniform(size=(num_examples, 6))
+    unit = rng.uniform(size=(num_examples, 6))
+    if ordered:
+        unit = campaign_order(rng, unit, column=4)
+    x = _INPUT_LOW + (_INPUT_HIGH - _INPUT_LOW) * unit
     activity = np.exp(activity_sd * rng.normal(size=num_examples))
     vapour_shift = vapour_sd * rng.normal(size=num_examples)
-    y = _reactor_and_flash(x, activity, vapour_shift)
+    y = _reactor_and_flash(x, activity, vapour_shift, duties)
+    A, B, b = balance_matrices()
+    names = OUTPUT_NAMES
+    if duties:
+        A = np.hstack([A, np.zeros((A.shape[0], 2))])
+        names = names + ("Q_reactor", "Q_flash")
+    return _measured(x, y, A, B, b, digits, INPUT_NAMES, names)
+
+
+def _measured(x, y, A, B, b, digits, input_names, output_names) -> dict:
+    """The data set as a plant historian stores it: rounded to ``digits`` significant
+    digits, ``k = b - B x`` from the rounded inputs."""
     if digits is not None:
         x = round_significant(x, digits)
         y = round_significant(y, digits)
-    A, B, b = balance_matrices()
     return {
         "x": x,
         "y": y,
@@ -135,9 +168,18 @@ def simulate(
         "A": A,
         "B": B,
         "b": b,
-        "input_names": INPUT_NAMES,
-        "output_names": OUTPUT_NAMES,
+        "input_names": tuple(input_names),
+        "output_names": tuple(output_names),
     }
+
+
+def campaign_order(rng: np.random.Generator, unit: np.ndarray, column: int) -> np.ndarray:
+    """Reorder operating points (rows of ``unit``, inputs scaled to [0, 1]) as a campaign
+    would visit them: ``column`` (a temperature or a throughput) is raised over time, with
+    scatter, so the last rows lie mostly beyond the range of the first ones and a
+    sequential split tests extrapolation."""
+    key = unit[:, column] + 0.3 * rng.uniform(size=len(unit))
+    return unit[np.argsort(key, kind="stable")]
 
 
 def relative_violation(A: np.ndarray, y: np.ndarray, k: np.ndarray) -> np.ndarray:
