@@ -20,6 +20,7 @@ from numpyro_constrained.conditioned_poisson import ConditionedPoisson
 from numpyro_constrained.exactly_k_bernoulli import ExactlyKBernoulli
 from numpyro_constrained.linear_constrained_normal import LinearConstrainedNormal
 from numpyro_constrained.linear_constraint import LinearConstraint
+from numpyro_constrained.poisson_binomial import PoissonBinomial
 from numpyro_constrained.reparam import LinearConstrainedNormalReparam
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "LinearConstrainedNormal",
     "LinearConstrainedNormalReparam",
     "LinearConstraint",
+    "PoissonBinomial",
     "losses",
     "nn",
 ]

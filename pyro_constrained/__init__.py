@@ -19,6 +19,7 @@ from pyro_constrained.exactly_k_bernoulli import ExactlyKBernoulli
 from pyro_constrained.linear_constrained_normal import LinearConstrainedNormal
 from pyro_constrained.linear_constraint import LinearConstraint
 from pyro_constrained.nn import LinearConstrainedNormalHead
+from pyro_constrained.poisson_binomial import PoissonBinomial
 from pyro_constrained.reparam import LinearConstrainedNormalReparam
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "LinearConstrainedNormalHead",
     "LinearConstrainedNormalReparam",
     "LinearConstraint",
+    "PoissonBinomial",
     "losses",
     "nn",
 ]
