@@ -176,19 +176,26 @@ def log_pmf_by_counts(theta: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     logits = torch.where(flip[:, None], _flipped(theta), theta)
     count = torch.where(flip, m - k, k)
     rows, n = theta.shape
+    out = theta.new_zeros(rows)
+    if rows == 0 or n == 0:  # no Bernoullis: log P(K = 0) = 0
+        return out.to(dtype)
+    # The kernels take the FFT path only if every row of a call may: rows whose tilted count
+    # distribution is nearly deterministic go separately (direct sums, O(n k)).
+    with torch.no_grad():
+        spread = _tilted_variance(logits.detach(), count) >= 4.0
     chunk = max(1, _PER_COUNT_ENTRIES // max(n, 1))
-    pieces = []
-    for start in range(0, rows, chunk):
-        x, c = logits[start : start + chunk], count[start : start + chunk]
-        k_max = int(c.max()) if c.numel() else 0
-        parts = kernels.normalizer_parts(x, c, k_max)
-        exact = kernels.log_constraint_prob_value(x, c, parts)
-        softplus = torch.where(x > -torch.inf, _softplus(x), 0.0).sum(-1)
-        formula = kernels.log_normalizer(x, c, k_max, parts) - softplus
-        pieces.append(exact + (formula - formula.detach()))
-    if not pieces:
-        return theta.new_zeros((0,)).to(dtype)
-    return torch.cat(pieces).to(dtype)
+    for group in (spread, ~spread):
+        index = group.nonzero()[:, 0]
+        for start in range(0, index.numel(), chunk):
+            rows_c = index[start : start + chunk]
+            x, c = logits[rows_c], count[rows_c]
+            k_max = int(c.max())
+            parts = kernels.normalizer_parts(x, c, k_max)
+            exact = kernels.log_constraint_prob_value(x, c, parts)
+            softplus = torch.where(x > -torch.inf, _softplus(x), 0.0).sum(-1)
+            formula = kernels.log_normalizer(x, c, k_max, parts) - softplus
+            out = out.index_put((rows_c,), exact + (formula - formula.detach()))
+    return out.to(dtype)
 
 
 class PoissonBinomial(TorchDistribution):

@@ -77,6 +77,8 @@ def test_small_n_against_enumeration(n):
     d = pc.PoissonBinomial(probs=torch.tensor(probs))
     _close(d.log_prob(torch.tensor(counts)).numpy(), expected, 1e-14, 1e-13)
     _close(d.log_pmf().numpy(), expected, 1e-14, 1e-13)
+    if n in (1, 2):  # JAX: compilations cost more than the cases add
+        return
     j = nc.PoissonBinomial(probs=jnp.asarray(probs))
     _close(j.log_prob(jnp.asarray(counts)), expected, 1e-14, 1e-13)
     _close(j.log_pmf(), expected, 1e-14, 1e-13)
