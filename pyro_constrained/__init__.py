@@ -15,6 +15,7 @@ _require_framework("pyro_constrained", "pyro", "PyTorch and Pyro", ("torch", "py
 
 from pyro_constrained import losses, nn
 from pyro_constrained.conditioned_poisson import ConditionedPoisson
+from pyro_constrained.count_constrained_bernoulli import CountConstrainedBernoulli
 from pyro_constrained.exactly_k_bernoulli import ExactlyKBernoulli
 from pyro_constrained.linear_constrained_normal import LinearConstrainedNormal
 from pyro_constrained.linear_constraint import LinearConstraint
@@ -24,6 +25,7 @@ from pyro_constrained.reparam import LinearConstrainedNormalReparam
 
 __all__ = [
     "ConditionedPoisson",
+    "CountConstrainedBernoulli",
     "ExactlyKBernoulli",
     "LinearConstrainedNormal",
     "LinearConstrainedNormalHead",
