@@ -170,3 +170,20 @@ def test_validation_and_shapes():
     assert t.batch_shape == (3,) and t.event_shape == (5,)
     assert t.sample((2,)).shape == (2, 3, 5)
     assert t.expand((4, 3)).log_prob(torch.zeros(4, 3, 5)).shape == (4, 3)
+
+
+def test_jax_float32_without_x64():
+    b = 2  # saturated and masking-size logits
+    vectors, log_p = _brute(LOGITS[b], LOW[b], HIGH[b])
+    with jax.enable_x64(False):
+        d = nc.CountConstrainedBernoulli(
+            logits=jnp.asarray(LOGITS[b], jnp.float32), low=LOW[b], high=HIGH[b]
+        )
+        got = d.log_prob(jnp.asarray(vectors, jnp.float32))
+        mean, entropy = d.mean, d.entropy()
+        assert got.dtype == jnp.float32 and mean.dtype == jnp.float32
+        got, mean, entropy = np.asarray(got), np.asarray(mean), float(entropy)
+    p = np.exp(log_p)
+    np.testing.assert_allclose(got, log_p, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(mean, p @ vectors, rtol=2e-5, atol=1e-7)
+    assert entropy == pytest.approx(-(p * log_p).sum(), rel=2e-5, abs=2e-6)
