@@ -46,6 +46,10 @@ def _window(dtype) -> float:
     return 1e-3 if dtype == jnp.float64 else 0.1
 
 
+# See the torch module: entries with |c (j - t)| above this are left to other passes.
+_TILT_SPAN = 1024.0
+
+
 class _ExtendedReal(constraints.ParameterFreeConstraint):
     """The extended real line [-inf, +inf]: anything but NaN."""
 
@@ -62,29 +66,31 @@ def _flipped(theta):
 
 
 def _row_terms(theta, c):
-    """``log P(K = j) - log_reduced_j + j c`` (see the torch module's ``_row_terms``)."""
+    """(P, rest) with ``log P(K = j) = log_reduced_j + c (P - j) + rest`` (see the torch
+    module's ``_row_terms``)."""
     x = theta + c[:, None]
     finite = theta > -jnp.inf
     x_on, theta_on = (x >= 0) & finite, (theta >= 0) & finite
-    shift = c * x_on.sum(-1) + jnp.where(x_on & ~theta_on, theta, 0.0).sum(-1)
+    shift = jnp.where(x_on & ~theta_on, theta, 0.0).sum(-1)
     shift = shift - jnp.where(theta_on & ~x_on, theta, 0.0).sum(-1)
     tails = jnp.where(finite, jnp.log1p(jnp.exp(-jnp.abs(theta))), 0.0).sum(-1)
-    return shift - tails
+    return x_on.sum(-1), shift - tails
 
 
 @partial(jax.jit, static_argnames="k_max")
 def _window_pass(theta, padded, target, k_max: int):
     """One tilted upward pass over ``padded`` (``theta`` padded with ``-inf`` to the kernels'
-    bucket): (log P(K = j), root / its largest entry), both (rows, width)."""
+    bucket): (log P(K = j), root / its largest entry), both (rows, width), and the tilt."""
     _, c, _, root, _, log_scale, _ = kernels._prepare(padded, target, k_max, False)
     wide = kernels.wide_dtype(theta.dtype)
     root = root.astype(wide)
     ratio = root / jnp.maximum(root.max(-1, keepdims=True), jnp.finfo(wide).tiny)
     c = c.astype(wide)
     j = jnp.arange(root.shape[-1], dtype=wide)
-    terms = log_scale.astype(wide) + _row_terms(theta.astype(wide), c)
-    log_p = jnp.log(root) + terms[:, None] - c[:, None] * j
-    return log_p, ratio
+    on, rest = _row_terms(theta.astype(wide), c)
+    terms = log_scale.astype(wide) + rest
+    log_p = jnp.log(root) + terms[:, None] + c[:, None] * (on[:, None] - j)
+    return log_p, ratio, c
 
 
 def _half_pmf(theta: jax.Array, half: np.ndarray) -> np.ndarray:
@@ -105,12 +111,13 @@ def _half_pmf(theta: jax.Array, half: np.ndarray) -> np.ndarray:
         k_max = max(1, int(top[active].max()))
         padded, k_max, _ = kernels._to_bucket(theta, k_max)
         t = np.where(active, target, 0)
-        log_p, ratio = _window_pass(theta, padded, jnp.asarray(t, jnp.int32), k_max)
+        log_p, ratio, c = _window_pass(theta, padded, jnp.asarray(t, jnp.int32), k_max)
         log_p, ratio = np.asarray(log_p, np.float64), np.asarray(ratio, np.float64)
         width = min(log_p.shape[-1], n + 1)
         log_p, ratio = log_p[:, :width], ratio[:, :width]
         j = np.arange(width)
-        accept = ((ratio >= window) | (j[None, :] == t[:, None])) & active[:, None]
+        span = np.abs(np.asarray(c, np.float64)[:, None] * (j[None, :] - t[:, None])) <= _TILT_SPAN
+        accept = (((ratio >= window) & span) | (j[None, :] == t[:, None])) & active[:, None]
         better = accept & (ratio > best[:, :width]) & needed[:, :width]
         out[:, :width] = np.where(better, log_p, out[:, :width])
         best[:, :width] = np.where(better, ratio, best[:, :width])

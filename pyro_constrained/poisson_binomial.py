@@ -42,6 +42,11 @@ __all__ = ["PoissonBinomial"]
 # direct sums are exact for every entry the window admits). Measured against mpmath
 # (tests/test_poisson_binomial.py): 1e-13 relative in float64.
 _WINDOW = 1e-3
+# An entry j of a pass tilted by c to the target t carries a rounding error of about
+# eps |c (j - t)| in log P (the tilt is rounded into every tilted logit and taken out again
+# as c j): entries beyond this bound on |c (j - t)| are left to other passes (the target
+# itself is always admitted). Matters only for huge tilts (logits such as +-1e4 or +-1e9).
+_TILT_SPAN = 1024.0
 # Rows of the per-count path per kernel call: about this many logits (memory of the tables).
 _PER_COUNT_ENTRIES = 2**20
 
@@ -69,16 +74,18 @@ def _flipped(theta: torch.Tensor) -> torch.Tensor:
 
 
 def _row_terms(theta: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """``log P(K = j) - log_reduced_j + j c`` for kernel logits ``theta`` (float64, ``-inf``
-    excluded) tilted by ``c`` (rows,): the count-independent part of the kernels'
-    ``log_constraint_prob_value``, written without forming ``theta + c`` (see there)."""
+    """(P, rest) with ``log P(K = j) = log_reduced_j + c (P - j) + rest`` for kernel logits
+    ``theta`` (float64, ``-inf`` excluded) tilted by ``c`` (rows,): the count-independent
+    parts of the kernels' ``log_constraint_prob_value``, written without forming
+    ``theta + c`` (see there); P is the number of non-negative tilted logits, and the caller
+    forms ``c (P - j)`` as one product (``c P - c j`` would cancel at the size of c)."""
     x = theta + c[:, None]
     finite = theta > -torch.inf
     x_on, theta_on = (x >= 0) & finite, (theta >= 0) & finite
-    shift = c * x_on.sum(-1) + torch.where(x_on & ~theta_on, theta, 0.0).sum(-1)
+    shift = torch.where(x_on & ~theta_on, theta, 0.0).sum(-1)
     shift = shift - torch.where(theta_on & ~x_on, theta, 0.0).sum(-1)
     tails = torch.where(finite, torch.log1p(torch.exp(-theta.abs())), 0.0).sum(-1)
-    return shift - tails
+    return x_on.sum(-1), shift - tails
 
 
 def _tilted_variance(theta: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -87,16 +94,17 @@ def _tilted_variance(theta: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def _window_pass(theta: torch.Tensor, target: torch.Tensor, k_max: int):
-    """One tilted upward pass: (log P(K = j) for j < width, root / its largest entry), both
-    (rows, width), from the kernels' root table (``log e_j = log root[j] + log_scale +
-    sum max(x, 0) - j c``)."""
+    """One tilted upward pass: (log P(K = j) for j < width, root / its largest entry, the
+    tilt c), (rows, width) twice and (rows,), from the kernels' root table (``log e_j =
+    log root[j] + log_scale + sum max(x, 0) - j c``)."""
     _, _, c, _, root, _, log_scale = kernels._prepare(theta, target, k_max, True)
     root = root.to(torch.float64)
     ratio = root / root.amax(-1, keepdim=True).clamp(min=torch.finfo(root.dtype).tiny)
     c = c.to(torch.float64)
     j = torch.arange(root.shape[-1], dtype=torch.float64)
-    log_p = torch.log(root) + (log_scale + _row_terms(theta, c))[:, None] - c[:, None] * j
-    return log_p, ratio
+    on, rest = _row_terms(theta, c)
+    log_p = torch.log(root) + (log_scale + rest)[:, None] + c[:, None] * (on[:, None] - j)
+    return log_p, ratio, c
 
 
 def _half_pmf(theta: torch.Tensor, half: torch.Tensor) -> torch.Tensor:
@@ -120,10 +128,11 @@ def _half_pmf(theta: torch.Tensor, half: torch.Tensor) -> torch.Tensor:
                 continue
             rows_g = index[group]
             k_max = max(1, int(top[group].max()))
-            log_p, ratio = _window_pass(theta[rows_g], t[group], k_max)
+            log_p, ratio, c = _window_pass(theta[rows_g], t[group], k_max)
             width = log_p.shape[-1]
             j = torch.arange(width)
-            accept = (ratio >= _WINDOW) | (j[None, :] == t[group][:, None])
+            span = (c[:, None] * (j[None, :] - t[group][:, None])).abs() <= _TILT_SPAN
+            accept = ((ratio >= _WINDOW) & span) | (j[None, :] == t[group][:, None])
             better = accept & (ratio > best[rows_g, :width]) & needed[rows_g, :width]
             out[rows_g, :width] = torch.where(better, log_p, out[rows_g, :width])
             best[rows_g, :width] = torch.where(better, ratio, best[rows_g, :width])
