@@ -17,17 +17,21 @@ _require_framework(
 
 from numpyro_constrained import losses, nn
 from numpyro_constrained.conditioned_poisson import ConditionedPoisson
+from numpyro_constrained.count_constrained_bernoulli import CountConstrainedBernoulli
 from numpyro_constrained.exactly_k_bernoulli import ExactlyKBernoulli
 from numpyro_constrained.linear_constrained_normal import LinearConstrainedNormal
 from numpyro_constrained.linear_constraint import LinearConstraint
+from numpyro_constrained.poisson_binomial import PoissonBinomial
 from numpyro_constrained.reparam import LinearConstrainedNormalReparam
 
 __all__ = [
     "ConditionedPoisson",
+    "CountConstrainedBernoulli",
     "ExactlyKBernoulli",
     "LinearConstrainedNormal",
     "LinearConstrainedNormalReparam",
     "LinearConstraint",
+    "PoissonBinomial",
     "losses",
     "nn",
 ]

@@ -15,19 +15,23 @@ _require_framework("pyro_constrained", "pyro", "PyTorch and Pyro", ("torch", "py
 
 from pyro_constrained import losses, nn
 from pyro_constrained.conditioned_poisson import ConditionedPoisson
+from pyro_constrained.count_constrained_bernoulli import CountConstrainedBernoulli
 from pyro_constrained.exactly_k_bernoulli import ExactlyKBernoulli
 from pyro_constrained.linear_constrained_normal import LinearConstrainedNormal
 from pyro_constrained.linear_constraint import LinearConstraint
 from pyro_constrained.nn import LinearConstrainedNormalHead
+from pyro_constrained.poisson_binomial import PoissonBinomial
 from pyro_constrained.reparam import LinearConstrainedNormalReparam
 
 __all__ = [
     "ConditionedPoisson",
+    "CountConstrainedBernoulli",
     "ExactlyKBernoulli",
     "LinearConstrainedNormal",
     "LinearConstrainedNormalHead",
     "LinearConstrainedNormalReparam",
     "LinearConstraint",
+    "PoissonBinomial",
     "losses",
     "nn",
 ]

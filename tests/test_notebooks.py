@@ -27,6 +27,7 @@ EXPECTED = [
     "04_constrained_vae_digits.ipynb",
     "05_discrete_inference.ipynb",
     "06_process_surrogate.ipynb",
+    "07_counts.ipynb",
     "08_constrained_diffusion.ipynb",
     "09_k_subset_vae.ipynb",
 ]
