@@ -500,7 +500,10 @@ def _entropy_from_stirling_pieces(center, mean_minus_center, expected_d, k):
         mean_minus_center * jnp.log1p((1.0 - mean_minus_center) / m_safe)
     )
     m_small = jnp.where(center >= 1, 0.0, m)
-    rest = jnp.where(center >= 1, smooth, m_small - jax.scipy.special.xlogy(m_small, m_small))
+    # log of a placeholder 1 at m = 0 (k = 0, or p underflowing): xlogy's derivative there,
+    # log m + 1, is -inf, and times dm = 0 NaN.
+    log_m_small = jnp.log(jnp.where(m_small > 0, m_small, 1.0))
+    rest = jnp.where(center >= 1, smooth, m_small - m_small * log_m_small)
     stirling = jnp.where(center >= 1, _log_sqrt_2pi_z_plus_stirling_error(c_safe), 0.0)
     k_safe = jnp.maximum(k, 1.0)
     stirling_total = jnp.where(k >= 1, _log_sqrt_2pi_z_plus_stirling_error(k_safe), 0.0)

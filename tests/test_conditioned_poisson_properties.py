@@ -645,3 +645,137 @@ def test_mixed_float32_and_float64_inputs_promote_as_the_framework_does():
     assert jax32.log_prob(jnp.asarray([1.0, 2.0], jnp.float64)).dtype == jnp.float64
     assert jax32.log_prob(jnp.asarray([1, 2])).dtype == jnp.float32
     assert jax_kl_divergence(jax32, _jax([3.0, 1.0], 3, "float64")).dtype == jnp.float64
+
+
+# Gradients (issue 29) ---------------------------------------------------------------------
+
+GRADIENT_LOG10_RATE = st.floats(-8.0, 8.0, allow_nan=False)
+
+
+@st.composite
+def gradient_cases(draw):
+    """Three rates spread over 16 decades or tied to 1e-7, a second rate vector (for KL), a
+    small k (enumeration) and a real-valued target, integers and halves included."""
+    kind = draw(st.sampled_from(["spread", "near-ties"]))
+    log10 = draw(st.lists(GRADIENT_LOG10_RATE, min_size=3, max_size=3))
+    if kind == "near-ties":
+        jitter = draw(st.lists(st.floats(-1e-7, 1e-7), min_size=3, max_size=3))
+        log10 = [log10[0] + j for j in jitter]
+    rate = 10.0 ** np.asarray(log10)
+    other = rate * 10.0 ** np.asarray(draw(st.lists(st.floats(-1.0, 1.0), min_size=3, max_size=3)))
+    k = draw(st.sampled_from([0, 1, 5]))
+    target = np.asarray(
+        draw(st.lists(st.floats(-2.0, 8.0, allow_nan=False), min_size=3, max_size=3))
+    )
+    return rate, other, k, target
+
+
+def _references(rate, other, k, target):
+    """The quantities as float64 functions of the rates, from enumeration and closed forms
+    written here (not the library)."""
+    p = rate / rate.sum()
+    q = other / other.sum()
+    return {
+        "log_constraint_prob": stats.poisson.logpmf(k, rate.sum()),
+        "entropy": oracle.enumerated_entropy(rate, k),
+        "kl": k * float(np.sum(p * (np.log(p) - np.log(q)))),
+        "variance": float(np.sum(k * p * (1 - p) * np.arange(1, 4))),
+        "l1": oracle.enumerated_expected_l1(rate, k, target),
+        "l2": oracle.enumerated_expected_l2(rate, k, target),
+    }
+
+
+def _library_scalars(module, losses, rate, other, k, target, kl):
+    d = module.ConditionedPoisson(rate, k=k)
+    e = module.ConditionedPoisson(other, k=k)
+    weights = [1.0, 2.0, 3.0]
+    return {
+        "log_constraint_prob": d.log_constraint_prob(),
+        "entropy": d.entropy(),
+        "kl": kl(d, e),
+        "variance": (d.variance * rate.new_tensor(weights)).sum()
+        if isinstance(rate, torch.Tensor)
+        else jnp.sum(d.variance * jnp.asarray(weights, rate.dtype)),
+        "l1": losses.expected_l1_loss(d, target),
+        "l2": losses.expected_l2_loss(d, target),
+    }
+
+
+@settings(max_examples=6)
+@given(case=gradient_cases())
+def test_gradients_in_log_rate_match_finite_differences_of_references(case):
+    # d f / d log rate_j against central differences (step 1e-5 in log rate) of float64
+    # references, for log_constraint_prob, entropy, KL, a weighted variance and both expected
+    # losses (at a real-valued target), in both packages and dtypes; NumPyro's float32 with
+    # x64 off. Tolerance: float64 1e-6, float32 2e-3, relative to the largest
+    # log-rate derivative of that quantity plus 1e-8.
+    from numpyro_constrained import losses as jax_losses
+    from pyro_constrained import losses as torch_losses
+
+    rate, other, k, target = case
+    step = 1e-5
+    names = list(_references(rate, other, k, target))
+    expected = {name: np.zeros(3) for name in names}
+    for j in range(3):
+        up, down = rate.copy(), rate.copy()
+        up[j] *= math.exp(step)
+        down[j] *= math.exp(-step)
+        f_up, f_down = _references(up, other, k, target), _references(down, other, k, target)
+        for name in names:
+            expected[name][j] = (f_up[name] - f_down[name]) / (2 * step)
+
+    values = _references(rate, other, k, target)
+
+    def check(actual, dtype_name, what):
+        for name in names:
+            # A derivative that is 0 through cancellation (the L1 loss at y = 0 is k; the KL
+            # at q = p) is known to the rounding of the value's terms, and the reference's
+            # differences to about 1e-11 (1 + k) (float64 rounding over the step).
+            scale = np.max(np.abs(expected[name])) + abs(values[name]) + 1e-4 * (1 + k)
+            tolerance = (2e-3 if dtype_name == "float32" else 1e-6) * scale
+            got = np.asarray(actual[name], np.float64)
+            assert np.all(np.isfinite(got)), f"{what} {name} {dtype_name}: {got}"
+            assert np.all(np.abs(got - expected[name]) <= tolerance), (
+                f"{what} d {name} / d log rate ({dtype_name}): {got} vs {expected[name]}"
+            )
+
+    for dtype_name in DTYPE_NAMES:
+        dtype = TORCH_DTYPES[dtype_name]
+        log_rate = torch.tensor(np.log(rate), dtype=dtype, requires_grad=True)
+        other_t = torch.tensor(other, dtype=dtype)
+        target_t = torch.tensor(target, dtype=dtype)
+        grads = {}
+        for name in names:
+            scalars = _library_scalars(
+                pyro_constrained,
+                torch_losses,
+                log_rate.exp(),
+                other_t,
+                k,
+                target_t,
+                torch.distributions.kl_divergence,
+            )
+            (grads[name],) = torch.autograd.grad(scalars[name], log_rate)
+        check(grads, dtype_name, "torch")
+
+        # float32 with x64 on accumulates in float64 as float64 does: x64 off is the case.
+        for x64 in [dtype_name == "float64"]:
+            with jax.enable_x64(x64):
+
+                def stacked(log_r, dtype_name=dtype_name):
+                    scalars = _library_scalars(
+                        numpyro_constrained,
+                        jax_losses,
+                        jnp.exp(log_r),
+                        jnp.asarray(other, dtype_name),
+                        k,
+                        jnp.asarray(target, dtype_name),
+                        jax_kl_divergence,
+                    )
+                    return jnp.stack([scalars[name] for name in names])
+
+                # One compiled Jacobian for the six quantities (eager grads compile every
+                # primitive apart).
+                jacobian = jax.jit(jax.jacrev(stacked))(jnp.asarray(np.log(rate), dtype_name))
+                grads = dict(zip(names, np.asarray(jacobian), strict=True))
+                check(grads, dtype_name, f"jax x64={x64}")
