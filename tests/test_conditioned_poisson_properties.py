@@ -670,12 +670,22 @@ def gradient_cases(draw):
     return rate, other, k, target
 
 
+def _composition_near_the_mean(rate, k):
+    """floor(k p) with the remainder on the first categories."""
+    value = np.floor(k * rate / rate.sum())
+    value[: int(k - value.sum())] += 1
+    return value
+
+
 def _references(rate, other, k, target):
     """The quantities as float64 functions of the rates, from enumeration and closed forms
     written here (not the library)."""
     p = rate / rate.sum()
     q = other / other.sum()
+    value = _composition_near_the_mean(rate, k)
     return {
+        "log_prob": float(stats.multinomial.logpmf(value, k, p)) if k else 0.0,
+        "mean": float(np.sum(k * p * np.arange(1, 4))),
         "log_constraint_prob": stats.poisson.logpmf(k, rate.sum()),
         "entropy": oracle.enumerated_entropy(rate, k),
         "kl": k * float(np.sum(p * (np.log(p) - np.log(q)))),
@@ -685,17 +695,21 @@ def _references(rate, other, k, target):
     }
 
 
-def _library_scalars(module, losses, rate, other, k, target, kl):
+def _library_scalars(module, losses, rate, other, k, target, kl, value):
     d = module.ConditionedPoisson(rate, k=k)
     e = module.ConditionedPoisson(other, k=k)
     weights = [1.0, 2.0, 3.0]
+    if isinstance(rate, torch.Tensor):
+        value, weighted = rate.new_tensor(value), rate.new_tensor(weights)
+    else:
+        value, weighted = jnp.asarray(value, rate.dtype), jnp.asarray(weights, rate.dtype)
     return {
+        "log_prob": d.log_prob(value),
+        "mean": (d.mean * weighted).sum(),
         "log_constraint_prob": d.log_constraint_prob(),
         "entropy": d.entropy(),
         "kl": kl(d, e),
-        "variance": (d.variance * rate.new_tensor(weights)).sum()
-        if isinstance(rate, torch.Tensor)
-        else jnp.sum(d.variance * jnp.asarray(weights, rate.dtype)),
+        "variance": (d.variance * weighted).sum(),
         "l1": losses.expected_l1_loss(d, target),
         "l2": losses.expected_l2_loss(d, target),
     }
@@ -705,7 +719,8 @@ def _library_scalars(module, losses, rate, other, k, target, kl):
 @given(case=gradient_cases())
 def test_gradients_in_log_rate_match_finite_differences_of_references(case):
     # d f / d log rate_j against central differences (step 1e-5 in log rate) of float64
-    # references, for log_constraint_prob, entropy, KL, a weighted variance and both expected
+    # references, for log_prob (at a fixed composition near the mean), a weighted mean,
+    # log_constraint_prob, entropy, KL, a weighted variance and both expected
     # losses (at a real-valued target), in both packages and dtypes; NumPyro's float32 with
     # x64 off. Tolerance: float64 1e-6, float32 2e-3, relative to the largest
     # log-rate derivative of that quantity plus 1e-8.
@@ -713,6 +728,7 @@ def test_gradients_in_log_rate_match_finite_differences_of_references(case):
     from pyro_constrained import losses as torch_losses
 
     rate, other, k, target = case
+    value = _composition_near_the_mean(rate, k)
     step = 1e-5
     names = list(_references(rate, other, k, target))
     expected = {name: np.zeros(3) for name in names}
@@ -754,6 +770,7 @@ def test_gradients_in_log_rate_match_finite_differences_of_references(case):
                 k,
                 target_t,
                 torch.distributions.kl_divergence,
+                value,
             )
             (grads[name],) = torch.autograd.grad(scalars[name], log_rate)
         check(grads, dtype_name, "torch")
@@ -771,10 +788,11 @@ def test_gradients_in_log_rate_match_finite_differences_of_references(case):
                         k,
                         jnp.asarray(target, dtype_name),
                         jax_kl_divergence,
+                        value,
                     )
                     return jnp.stack([scalars[name] for name in names])
 
-                # One compiled Jacobian for the six quantities (eager grads compile every
+                # One compiled Jacobian for all the quantities (eager grads compile every
                 # primitive apart).
                 jacobian = jax.jit(jax.jacrev(stacked))(jnp.asarray(np.log(rate), dtype_name))
                 grads = dict(zip(names, np.asarray(jacobian), strict=True))
