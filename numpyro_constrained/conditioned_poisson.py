@@ -555,18 +555,33 @@ def _sample_counts_categorical(key, rate, k, *, k_max: int, sample_shape: tuple[
     num_samples = math.prod(sample_shape)
     # The rates over the largest, not the rates: their sum could overflow (float32 rates
     # near 1e38). In the accumulation dtype (float64 where JAX has it) whatever the rates'
-    # dtype: a float32 cumulative sum and float32 uniforms resolve probabilities only to
-    # 2**-24 of the total, so that a category of probability 3 * 2**-24 after a large one
-    # would get one or two grid points (2/3 or 4/3 of its probability) instead of 1.5.
+    # dtype: a float32 cumulative sum of the categories in their order and float32 uniforms
+    # resolve probabilities only to 2**-24 of the total, so that a category of probability
+    # 3 * 2**-24 after a large one got one or two grid points (2/3 or 4/3 of its probability)
+    # instead of 1.5.
     accumulation = _accumulation_dtype()
     weights = rate.astype(accumulation)
-    weights = weights / jnp.max(weights, axis=-1, keepdims=True)
-    cumulative = jnp.cumsum(weights.reshape(rows, n), axis=-1)
-    uniforms = jax.random.uniform(key, (rows, num_samples * k_max), dtype=accumulation)
+    weights = (weights / jnp.max(weights, axis=-1, keepdims=True)).reshape(rows, n)
+    shape = (rows, num_samples * k_max)
+    if accumulation == np.dtype(np.float32):
+        # Without float64 (x64 off): the categories in increasing order, so that the small
+        # ones lie near 0, where float32 resolves their cumulative sums to a few ulps of
+        # their own size, and uniforms that keep float32's relative precision down to
+        # 2**-64 (two 32-bit words; a plain float32 uniform is a grid of step 2**-23).
+        order = jnp.argsort(weights, axis=-1)
+        weights = jnp.take_along_axis(weights, order, axis=-1)
+        high, low = jax.random.bits(key, (2,) + shape, jnp.uint32)
+        uniforms = high.astype(accumulation) * 2.0**-32 + low.astype(accumulation) * 2.0**-64
+    else:
+        uniforms = jax.random.uniform(key, shape, dtype=accumulation)
+    cumulative = jnp.cumsum(weights, axis=-1)
     # Scaling by the last cumulative sum (not 1) makes the search match the rounded cumsum.
     targets = uniforms * cumulative[:, -1:]
     draws = jax.vmap(lambda c, t: jnp.searchsorted(c, t, side="right"))(cumulative, targets)
-    draws = jnp.minimum(draws, n - 1).reshape(rows, num_samples, k_max)
+    draws = jnp.minimum(draws, n - 1)
+    if accumulation == np.dtype(np.float32):
+        draws = jnp.take_along_axis(order, draws, axis=-1)
+    draws = draws.reshape(rows, num_samples, k_max)
     k_rows = jnp.broadcast_to(k, batch_shape).reshape(rows, 1, 1)
     keep = (jnp.arange(k_max) < k_rows).astype(dtype)
     sample_index = jnp.arange(num_samples)[:, None]

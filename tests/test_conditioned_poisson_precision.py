@@ -275,3 +275,16 @@ def test_float32_categorical_draws_of_tiny_categories_are_unbiased():
         even, odd = _parity_counts(samples)
         assert abs(even + odd - mean) < 5 * std, (even + odd, mean, std)
         assert abs(even - odd) < 5 * math.sqrt(even + odd), (even, odd)
+
+
+@pytest.mark.parametrize("rate", [[1.0, 2.0, 3.5, 0.25], [1e-3, 1.0, 30.0, 0.1]])
+def test_x64_off_categorical_samples_pass_chi_square_against_enumeration(rate):
+    # The x64-off categorical sampler (increasing order, two-word uniforms) against the
+    # enumerated pmf of the float32-rounded rates.
+    rate32 = np.asarray(rate, np.float32)
+    k = 5
+    with jax.enable_x64(False):
+        d = numpyro_constrained.ConditionedPoisson(jnp.asarray(rate32), k=k)
+        samples = np.asarray(d.sample(jax.random.PRNGKey(7), (20_000,)))
+    assert (samples.sum(-1) == k).all()
+    assert oracle.composition_chi_square_pvalue(samples, rate32.astype(np.float64), k) > 1e-3
