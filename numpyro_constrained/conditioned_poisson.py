@@ -299,7 +299,13 @@ def _multinomial_log_prob(counts, log_p, p, k):
     means = k_event * p
     log_means = jnp.log(jnp.maximum(k_event, 1.0)) + log_p
     log_total = jnp.where(k >= 1, _log_sqrt_2pi_z_plus_stirling_error(jnp.maximum(k, 1.0)), 0.0)
-    return jnp.sum(_log_poisson(counts, means, log_means), -1) + log_total
+    # The Stirling parts first, then the small bd0 and -m terms: where one count holds all
+    # of k (a near-certain outcome) the Stirling parts cancel exactly, and a log-probability
+    # of -1e-20 is not added to and subtracted from -8.5.
+    z_safe = jnp.maximum(counts, 1.0)
+    stirling = jnp.where(counts >= 1, _log_sqrt_2pi_z_plus_stirling_error(z_safe), 0.0)
+    deviations = jnp.where(counts >= 1, _bd0(z_safe, means, log_means), means)
+    return (log_total - jnp.sum(stirling, -1)) - jnp.sum(deviations, -1)
 
 
 @_multinomial_log_prob.defjvp
@@ -1067,8 +1073,9 @@ def _relative_entropy(rate_p, rate_q):
     ``a, b`` the scaled rates, ``A, B`` their sums, ``D_i = a_i - b_i`` and ``D = sum D_i``,
     so a KL of 1e-14 keeps the working precision instead of the ``|log p|`` ulps of a
     difference of logarithms; ``f`` is a series in ``d`` for ``|d| < 1/2``. Elsewhere (far
-    apart, or rates whose scaled values underflow) ``d`` is the difference of the logarithms
-    and ``q f(d) = p (d - 1) + q``."""
+    apart, ``|d| >= 1/2`` by the logarithms, where ``D_i B - b_i D`` would cancel, or rates
+    whose scaled values underflow) ``d`` is the difference of the logarithms and
+    ``q f(d) = p (d - 1) + q``."""
     accumulation = _accumulation_dtype()
     rate_p, rate_q = jnp.broadcast_arrays(rate_p.astype(accumulation), rate_q.astype(accumulation))
     log_p = _log_probs_only(rate_p)
@@ -1083,10 +1090,14 @@ def _relative_entropy(rate_p, rate_q):
     difference = a - b
     numerator = difference * total_b - b * jnp.sum(difference, -1, keepdims=True)
     resolvable = jnp.finfo(accumulation).tiny * 2.0**30
-    precise = (a > resolvable) & (b > resolvable)
+    # Only where the two are close: far apart, D_i B - b_i D cancels (rates 1 beside 1e10),
+    # and the difference of the logarithms, at least 1/2, is accurate.
+    log_difference = log_p - log_q
+    close = jnp.abs(lax.stop_gradient(log_difference)) < _KL_SERIES_MAX_D
+    precise = close & (a > resolvable) & (b > resolvable)
     denominator = jnp.where(precise, b * total_a, 1.0)
     ratio_minus_one = jnp.where(precise, numerator / denominator, 0.0)
-    d = jnp.where(precise, jnp.log1p(ratio_minus_one), log_p - log_q)
+    d = jnp.where(precise, jnp.log1p(ratio_minus_one), log_difference)
     small = jnp.abs(d) < _KL_SERIES_MAX_D
     d_small = jnp.where(small, d, 0.0)
     series = _KL_SERIES[-1]

@@ -270,8 +270,9 @@ def _relative_entropy(rate_p: torch.Tensor, rate_q: torch.Tensor) -> torch.Tenso
     ``a, b`` the scaled rates, ``A, B`` their sums, ``D_i = a_i - b_i`` and ``D = sum D_i``,
     so a KL of 1e-14 keeps the working precision instead of the ``|log p|`` ulps of a
     difference of logarithms; ``f`` is a series in ``d`` for ``|d| < 1/2``. Elsewhere (far
-    apart, or rates whose scaled values underflow) ``d`` is the difference of the logarithms
-    and ``q f(d) = p (d - 1) + q``."""
+    apart, ``|d| >= 1/2`` by the logarithms, where ``D_i B - b_i D`` would cancel, or rates
+    whose scaled values underflow) ``d`` is the difference of the logarithms and
+    ``q f(d) = p (d - 1) + q``."""
     rate_p, rate_q = torch.broadcast_tensors(rate_p.to(torch.float64), rate_q.to(torch.float64))
     log_p = _log_probs_only(rate_p)
     log_q = _log_probs_only(rate_q)
@@ -285,10 +286,14 @@ def _relative_entropy(rate_p: torch.Tensor, rate_q: torch.Tensor) -> torch.Tenso
     difference = a - b
     numerator = difference * total_b - b * difference.sum(-1, keepdim=True)
     resolvable = torch.finfo(torch.float64).tiny * 2.0**30
-    precise = (a > resolvable) & (b > resolvable)
+    # Only where the two are close: far apart, D_i B - b_i D cancels (rates 1 beside 1e10),
+    # and the difference of the logarithms, at least 1/2, is accurate.
+    log_difference = log_p - log_q
+    close = log_difference.detach().abs() < _KL_SERIES_MAX_D
+    precise = close & (a > resolvable) & (b > resolvable)
     denominator = torch.where(precise, b * total_a, 1.0)
     ratio_minus_one = torch.where(precise, numerator / denominator, 0.0)
-    d = torch.where(precise, torch.log1p(ratio_minus_one), log_p - log_q)
+    d = torch.where(precise, torch.log1p(ratio_minus_one), log_difference)
     small = d.abs() < _KL_SERIES_MAX_D
     d_small = torch.where(small, d, 0.0)
     series = torch.full_like(d, _KL_SERIES[-1])

@@ -93,6 +93,21 @@ def test_x64_off_values_keep_float32_precision_at_large_k(xla_optimised, k):
     np.testing.assert_allclose(actual_entropy, expected_entropy, rtol=1e-5)
 
 
+@pytest.mark.parametrize("x64", [False, True])
+def test_near_certain_log_prob_keeps_its_relative_accuracy(x64):
+    # All of k on the category holding all but 1.3e-20 of the mass: log_prob is about
+    # -9.1e-20, and the rewritten sum must not add it to and subtract it from log k!'s kin.
+    name = "float64" if x64 else "float32"
+    rate = np.asarray([1.0, 1e-20, 3e-21], name)
+    k = 7
+    mpmath.mp.dps = 60
+    expected = float(_mp_log_prob(rate, k, [k, 0, 0]))
+    with jax.enable_x64(x64):
+        d = numpyro_constrained.ConditionedPoisson(jnp.asarray(rate), k=k)
+        actual = float(d.log_prob(jnp.asarray([k, 0, 0], name)))
+    np.testing.assert_allclose(actual, expected, rtol=1e-5)
+
+
 def test_x64_off_near_certain_entropy_keeps_its_relative_accuracy():
     # One category holds all but 1e-30 of the mass: the entropy, about 1e-28, is what is
     # left after the log-factorials cancel, which they must do exactly.

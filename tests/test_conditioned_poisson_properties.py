@@ -261,6 +261,19 @@ def test_float32_and_float64_entropy_at_large_k(dtype_name):
     _assert_close(_jax(rate, k, dtype_name).entropy(), expected, dtype_name, scale, "jax")
 
 
+def _kl_scale(rate, other, k) -> float:
+    """``k sum_i p_i |d_i|`` with ``d_i = log(p_i / q_i)`` at high precision: the KL is
+    computed from ``d_i`` known to a few ulps relative (from the rates' differences where
+    the two are close, from the logarithms where ``|d_i| >= 1/2``), so its error is a few
+    ulps of this; two proportional rate vectors whose float rounding leaves a KL of 1e-34 have
+    a scale of about 1e-17."""
+    import mpmath
+
+    with mpmath.workdps(oracle._digits_for(rate, other) + 40):
+        p, q = oracle._mp_probs(rate), oracle._mp_probs(other)
+        return float(k * mpmath.fsum(a * abs(mpmath.log(a / b)) for a, b in zip(p, q, strict=True)))
+
+
 # A few totals: JAX compiles its entropy per (n, k).
 @settings(max_examples=12)
 @given(
@@ -275,9 +288,7 @@ def test_entropy_and_kl_match_enumeration_at_60_digits(rate, other, k):
         expected_entropy = oracle.mp_enumerated_entropy(held, k)
         expected_kl = oracle.mp_enumerated_kl(held, held_other, k)
         scale = _entropy_scale(held, k)
-        log_p, _ = oracle.mp_log_probs_and_complements(held)
-        log_q, _ = oracle.mp_log_probs_and_complements(held_other)
-        kl_scale = k * np.abs(np.exp(log_p) * (log_p - log_q)).sum()
+        kl_scale = _kl_scale(held, held_other, k)
         p, q = _torch(rate, k, dtype_name), _torch(other, k, dtype_name)
         _assert_close(p.entropy(), expected_entropy, dtype_name, scale, "torch entropy")
         kl = torch.distributions.kl_divergence(p, q)
@@ -797,3 +808,77 @@ def test_gradients_in_log_rate_match_finite_differences_of_references(case):
                 jacobian = jax.jit(jax.jacrev(stacked))(jnp.asarray(np.log(rate), dtype_name))
                 grads = dict(zip(names, np.asarray(jacobian), strict=True))
                 check(grads, dtype_name, f"jax x64={x64}")
+
+
+# Expected losses at real-valued targets (issue 29) ------------------------------------------
+
+REAL_TARGET = st.floats(-3.0, 9.0, allow_nan=False, allow_infinity=False)
+
+
+def _mp_expected_losses(rate, k, target) -> tuple[float, float]:
+    """E ||z - y||_1 and E ||z - y||_2^2 averaged over every composition with the 60-digit
+    pmf (a float64 pmf of 1 - 2e-17 rounds to 1 and loses the rest)."""
+    import mpmath
+
+    support, log_pmf = oracle.mp_enumerated_log_pmf(rate, k)
+    with mpmath.workdps(oracle._digits_for(rate) + 20):
+        y = [mpmath.mpf(float(v)) for v in target]
+        pmf = [mpmath.exp(w) for w in log_pmf]
+        l1 = mpmath.fsum(
+            w * mpmath.fsum(abs(z - v) for z, v in zip(row, y, strict=True))
+            for w, row in zip(pmf, support.tolist(), strict=True)
+        )
+        l2 = mpmath.fsum(
+            w * mpmath.fsum((z - v) ** 2 for z, v in zip(row, y, strict=True))
+            for w, row in zip(pmf, support.tolist(), strict=True)
+        )
+        return float(l1), float(l2)
+
+
+@settings(max_examples=15)
+@given(
+    rate=rate_vectors(sizes=(3,)),
+    k=st.sampled_from([0, 1, 4, 6]),
+    target=st.lists(
+        st.one_of(REAL_TARGET, st.integers(-2, 8).map(float), REAL_TARGET.map(math.floor)),
+        min_size=3,
+        max_size=3,
+    ),
+)
+def test_expected_losses_at_real_targets_match_enumeration(rate, k, target):
+    # Rates over 60 decades, targets integer, whole-number and not, inside [0, k] or not,
+    # against the enumerated average over every composition, both packages and dtypes and
+    # NumPyro's float32 with x64 off too.
+    target = np.asarray(target, np.float64)
+    for dtype_name in DTYPE_NAMES:
+        held = _rounded(rate, dtype_name)
+        expected_l1, expected_l2 = _mp_expected_losses(held, k, target)
+        scale = np.abs(target).sum() + k
+        d = _torch(rate, k, dtype_name)
+        y = torch.tensor(target, dtype=TORCH_DTYPES[dtype_name])
+        actual = [
+            pyro_constrained.losses.expected_l1_loss(d, y),
+            pyro_constrained.losses.expected_l2_loss(d, y),
+        ]
+        _assert_close(actual[0], expected_l1, dtype_name, scale, "torch l1")
+        _assert_close(actual[1], expected_l2, dtype_name, scale**2, "torch l2")
+        for x64 in [True, False] if dtype_name == "float32" else [True]:
+            with jax.enable_x64(x64):
+                d = _jax(rate, k, dtype_name)
+                y = jnp.asarray(target, JAX_DTYPES[dtype_name])
+                actual = [
+                    float(numpyro_constrained.losses.expected_l1_loss(d, y)),
+                    float(numpyro_constrained.losses.expected_l2_loss(d, y)),
+                ]
+            if x64:
+                _assert_close(actual[0], expected_l1, dtype_name, scale, "jax l1")
+                _assert_close(actual[1], expected_l2, dtype_name, scale**2, "jax l2")
+            else:
+                # float32 accumulation: (k p - y)(1 - 2 F) and its kin cancel to a few
+                # float32 ulps of the targets' and k's size.
+                eps32 = float(np.finfo(np.float32).eps)
+                for got, want, size in [
+                    (actual[0], expected_l1, scale),
+                    (actual[1], expected_l2, scale**2),
+                ]:
+                    assert abs(got - want) <= 1e-4 * abs(want) + 8 * eps32 * size, (got, want)
