@@ -220,18 +220,6 @@ def _probs_only(rate):
     return ratio / jnp.sum(ratio, axis=-1, keepdims=True)
 
 
-def _log_p_and_log1m_p(rate):
-    """``p``, ``log p`` and ``log(1 - p)`` (`_normalized_log_probs`) in ``rate``'s dtype.
-
-    Where ``p == 1`` (a single category) ``log(1 - p)`` is `_finite_log_zero` rather than
-    ``-inf``, so that neither values nor gradients become NaN.
-    """
-    log_p, log1m_p = _normalized_log_probs(rate)
-    log1m_p = jnp.maximum(log1m_p, _finite_log_zero(rate.dtype))
-    dtype = rate.dtype
-    return jnp.exp(log_p).astype(dtype), log_p.astype(dtype), log1m_p.astype(dtype)
-
-
 # Loader's saddle-point forms (constrained_ppl.stirling): log-factorials and Poisson
 # log-probabilities from small pieces, so that nothing of the size of log k! (1.3e7 at
 # k = 1e6) is ever subtracted. This is what keeps float32 with x64 off (NumPyro's default,

@@ -177,17 +177,6 @@ def _probs_only(rate: torch.Tensor) -> torch.Tensor:
     return ratio / ratio.sum(-1, keepdim=True)
 
 
-def _log_p_and_log1m_p(rate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``p``, ``log p`` and ``log(1 - p)`` (`_normalized_log_probs`) in ``rate``'s dtype.
-
-    Where ``p == 1`` (a single category) ``log(1 - p)`` is `_finite_log_zero` rather than
-    ``-inf``, so that neither values nor gradients become NaN.
-    """
-    log_p, log1m_p = _normalized_log_probs(rate)
-    log1m_p = log1m_p.clamp(min=_finite_log_zero(rate.dtype))
-    return log_p.exp().to(rate.dtype), log_p.to(rate.dtype), log1m_p.to(rate.dtype)
-
-
 # Loader's saddle-point forms (constrained_ppl.stirling): Poisson log-probabilities from small
 # pieces, so that nothing of the size of log k! is subtracted and a rate sum that overflows
 # gives -inf, not inf - inf.
