@@ -9,6 +9,8 @@
   the checks on their size.
 - ``constrained_ppl.exact_integers``: the ranges in which a float dtype holds integers
   exactly.
+- ``constrained_ppl.stirling``: the Stirling-error table and series constants behind
+  ``ConditionedPoisson``'s log-factorials and Poisson log-probabilities without cancellation.
 - ``constrained_ppl.extras``: the check each framework package makes that its framework (an
   optional extra) is installed.
 - ``constrained_ppl.showcase``: the framework-free half of the main job

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.scipy.special import gammaln, logsumexp
+from jax.scipy.special import digamma, gammaln, logsumexp
 from numpyro.distributions import Binomial, constraints
 from numpyro.distributions.batch_util import _default_vmap_over, vmap_over
 from numpyro.distributions.distribution import Distribution
@@ -36,6 +36,14 @@ from constrained_ppl.exact_integers import (
     check_k_max_bounds_k,
     check_total_in_exact_range,
     largest_exact_integer,
+)
+from constrained_ppl.stirling import (
+    BD0_SERIES_MAX_V,
+    BD0_SERIES_TERMS,
+    LOG_SQRT_2PI,
+    STIRLING_ERROR_TABLE,
+    STIRLING_SERIES,
+    STIRLING_TABLE_MAX,
 )
 from numpyro_constrained._repr import parameters_repr
 from numpyro_constrained.exactly_k_bernoulli import refuse_scalar_coordinate_consumers
@@ -217,16 +225,124 @@ def _probs_only(rate):
     return ratio / jnp.sum(ratio, axis=-1, keepdims=True)
 
 
-def _log_p_and_log1m_p(rate):
-    """``p``, ``log p`` and ``log(1 - p)`` (`_normalized_log_probs`) in ``rate``'s dtype.
+# Loader's saddle-point forms (constrained_ppl.stirling): log-factorials and Poisson
+# log-probabilities from small pieces, so that nothing of the size of log k! (1.3e7 at
+# k = 1e6) is ever subtracted. This is what keeps float32 with x64 off (NumPyro's default,
+# where the accumulation dtype is float32) exact to float32's own precision at large k.
 
-    Where ``p == 1`` (a single category) ``log(1 - p)`` is `_finite_log_zero` rather than
-    ``-inf``, so that neither values nor gradients become NaN.
-    """
-    log_p, log1m_p = _normalized_log_probs(rate)
-    log1m_p = jnp.maximum(log1m_p, _finite_log_zero(rate.dtype))
-    dtype = rate.dtype
-    return jnp.exp(log_p).astype(dtype), log_p.astype(dtype), log1m_p.astype(dtype)
+
+def _stirling_error(z):
+    """``log z! - (z log z - z + log sqrt(2 pi z))`` for integers ``z >= 1`` (a placeholder 0
+    at ``z = 0``), in ``z``'s float dtype: tabulated up to `STIRLING_TABLE_MAX`, else the
+    asymptotic series (Horner in ``1 / z^2``)."""
+    table = jnp.asarray(STIRLING_ERROR_TABLE, z.dtype)
+    small = table[jnp.clip(z, 0, STIRLING_TABLE_MAX).astype(jnp.int32)]
+    large = jnp.maximum(z, STIRLING_TABLE_MAX + 1.0)
+    inverse_square = 1.0 / (large * large)
+    series = STIRLING_SERIES[-1]
+    for coefficient in reversed(STIRLING_SERIES[:-1]):
+        series = coefficient + inverse_square * series
+    return jnp.where(z <= STIRLING_TABLE_MAX, small, series / large)
+
+
+def _bd0(x, m, log_m):
+    """``x log(x / m) + m - x >= 0`` for ``x >= 1`` and ``m > 0`` (``log_m = log m``, used where
+    ``m`` underflows), without cancellation: the series in ``v = (x - m) / (x + m)`` where
+    ``|v|`` is small, else directly (``inf`` where ``m`` is)."""
+    tiny = float(jnp.finfo(x.dtype).tiny) * 2.0**30
+    finite = jnp.isfinite(m)
+    m_safe = jnp.where(finite, m, x)
+    difference = x - m_safe
+    v = difference / (x + m_safe)
+    v2 = v * v
+    odd = 1.0 / (2 * BD0_SERIES_TERMS + 1)
+    for j in range(BD0_SERIES_TERMS - 1, 0, -1):
+        odd = 1.0 / (2 * j + 1) + v2 * odd
+    series = difference * v + 2.0 * x * v * v2 * odd
+    normal = m_safe > tiny
+    log_ratio = jnp.where(normal, jnp.log(x / jnp.where(normal, m_safe, 1.0)), jnp.log(x) - log_m)
+    direct = x * log_ratio + m_safe - x
+    value = jnp.where(jnp.abs(v) < BD0_SERIES_MAX_V, series, direct)
+    return jnp.where(finite, value, jnp.inf)
+
+
+def _log_sqrt_2pi_z_plus_stirling_error(z):
+    """``log z! - z log z + z`` (``log sqrt(2 pi z) + stirling_error(z)``) for ``z >= 1``."""
+    return LOG_SQRT_2PI + 0.5 * jnp.log(z) + _stirling_error(z)
+
+
+def _log_poisson(z, m, log_m):
+    """``log Poisson(z; m)`` for integers ``z >= 0``: ``-m`` at ``z = 0``, else
+    ``-log sqrt(2 pi z) - stirling_error(z) - bd0(z, m)``."""
+    z_safe = jnp.maximum(z, 1.0)
+    positive = -_log_sqrt_2pi_z_plus_stirling_error(z_safe) - _bd0(z_safe, m, log_m)
+    return jnp.where(z >= 1, positive, -m)
+
+
+@jax.custom_jvp
+def _multinomial_log_prob(counts, log_p, p, k):
+    """``log k! - sum_i log z_i! + sum_i z_i log p_i`` for counts summing to ``k``, as
+    ``sum_i log Poisson(z_i; k p_i) - log Poisson(k; k)`` (the Poissons' product over the
+    law of their total): each term is small and exact, so nothing cancels. ``p`` (accurate
+    where ``exp(log p)`` loses ``|log p|`` ulps) sets the means, ``log p`` their logarithms
+    where ``k p`` underflows. The derivative is the definition's, ``log p_i - digamma(z_i +
+    1)`` in ``z_i`` and ``z_i`` in ``log p_i`` (none in ``p``, ``k``): the rewrite uses
+    ``sum z = k``, which a derivative in ``z`` leaves."""
+    k_event = k[..., None]
+    means = k_event * p
+    log_means = jnp.log(jnp.maximum(k_event, 1.0)) + log_p
+    log_total = jnp.where(k >= 1, _log_sqrt_2pi_z_plus_stirling_error(jnp.maximum(k, 1.0)), 0.0)
+    # The Stirling parts first, then the small bd0 and -m terms: where one count holds all
+    # of k (a near-certain outcome) the Stirling parts cancel exactly, and a log-probability
+    # of -1e-20 is not added to and subtracted from -8.5.
+    z_safe = jnp.maximum(counts, 1.0)
+    stirling = jnp.where(counts >= 1, _log_sqrt_2pi_z_plus_stirling_error(z_safe), 0.0)
+    deviations = jnp.where(counts >= 1, _bd0(z_safe, means, log_means), means)
+    return (log_total - jnp.sum(stirling, -1)) - jnp.sum(deviations, -1)
+
+
+@_multinomial_log_prob.defjvp
+def _multinomial_log_prob_jvp(primals, tangents):
+    counts, log_p, p, k = primals
+    counts_dot, log_p_dot, _, _ = tangents
+    value = _multinomial_log_prob(counts, log_p, p, k)
+    slope = log_p - digamma(counts + 1.0)
+    return value, jnp.sum(counts_dot * slope, -1) + jnp.sum(log_p_dot * counts, -1)
+
+
+def _log_factorial_step(c, j):
+    """``D = log j! - log c! - (j - c) log(c + 1)`` for integers ``c, j >= 0`` (floats in the
+    accumulation dtype) without subtracting log-factorials: for ``c, j >= 1``,
+    ``bd0(j, c) - t log(1 + 1/c) + log(j / c) / 2 + stirling_error(j) - stirling_error(c)``
+    (``t = j - c``); ``c log(1 + 1/c) + c - log sqrt(2 pi c) - stirling_error(c)`` at
+    ``j = 0``; ``log j!`` at ``c = 0``. What the float32 entropy sums (about ``t^2 / (2c)``,
+    exactly 0 at ``t = 0``)."""
+    c_safe = jnp.maximum(c, 1.0)
+    j_safe = jnp.maximum(j, 1.0)
+    t = j_safe - c_safe
+    stirling_c = _stirling_error(c_safe)
+    both = (
+        _bd0(j_safe, c_safe, jnp.log(c_safe))
+        - t * jnp.log1p(1.0 / c_safe)
+        + 0.5 * jnp.log1p(t / c_safe)
+        + (_stirling_error(j_safe) - stirling_c)
+    )
+    to_zero = c_safe * jnp.log1p(1.0 / c_safe) + c_safe - LOG_SQRT_2PI - 0.5 * jnp.log(c_safe)
+    to_zero = to_zero - stirling_c
+    from_zero = jnp.where(j <= 1, 0.0, gammaln(j_safe + 1.0))
+    return jnp.where(c < 1, from_zero, jnp.where(j < 1, to_zero, both))
+
+
+def _log_poisson_of_total(rate, k):
+    """``log Poisson(k; sum(rate))`` in the accumulation dtype without cancellation; the sum
+    as ``max * sum(rate / max)`` (``inf`` only where the true sum overflows, where the
+    result, about ``-sum(rate)``, is ``-inf``)."""
+    rate = rate.astype(_accumulation_dtype())
+    largest = jnp.max(rate, axis=-1)
+    ratio_sum = jnp.sum(rate / largest[..., None], axis=-1)
+    total = largest * ratio_sum
+    log_total = jnp.log(largest) + jnp.log(ratio_sum)
+    return _log_poisson(k.astype(total.dtype), total, log_total)
 
 
 # Above this k_max the entropy evaluates log m! directly instead of tabulating m = 0..k_max.
@@ -313,17 +429,31 @@ def _entropy(log_p, log1m_p, k, *, k_max: int, half_width: int, width: int, dtyp
     def log_factorial(m):
         return _log_factorial(m, k_max, accumulation)
 
-    log_c_factorial = log_factorial(center)
     log_shift = jnp.log1p(c_float)
     odds_shift = jnp.log(c_float + 0.5) - jnp.log(k_float[..., None] - c_float + 0.5)
-    d = log_factorial(j) - log_c_factorial[..., None] - t * log_shift
-    # G written from D (the same numbers): XLA fuses this form into the two sums below; G and
-    # D each written from log j! ran twice as long.
-    g = (
-        d
-        + (log_factorial(k_event[..., None] - j) - log_factorial(k_event - center)[..., None])
-        - t * (odds_shift - log_shift)
-    )
+    # Without float64 (x64 off), log j! - log c! keeps no digit at large k: D and G from
+    # Loader's small pieces instead (see _log_factorial_step), where float64 keeps the
+    # tabulated log-factorials, whose exact cancellation the grouping at the end relies on.
+    stable = accumulation == np.dtype(np.float32)
+    if stable:
+        k_column = k_float[..., :1]
+        j_float = j.astype(accumulation)
+        d = _log_factorial_step(c_float, j_float)
+        g = (
+            d
+            + _log_factorial_step(k_column - c_float, k_column - j_float)
+            + t * (jnp.log1p(0.5 / (c_float + 0.5)) - jnp.log1p(0.5 / (k_column - c_float + 0.5)))
+        )
+    else:
+        log_c_factorial = log_factorial(center)
+        d = log_factorial(j) - log_c_factorial[..., None] - t * log_shift
+        # G written from D (the same numbers): XLA fuses this form into the two sums below; G
+        # and D each written from log j! ran twice as long.
+        g = (
+            d
+            + (log_factorial(k_event[..., None] - j) - log_factorial(k_event - center)[..., None])
+            - t * (odds_shift - log_shift)
+        )
     delta = (log_p - log1m_p)[..., None] - odds_shift
     log_weights = t.astype(dtype) * delta.astype(dtype) - g.astype(dtype)
     weights = jnp.where(in_range, jnp.exp(log_weights), 0.0)
@@ -334,6 +464,11 @@ def _entropy(log_p, log1m_p, k, *, k_max: int, half_width: int, width: int, dtyp
         (k_float - c_float[..., 0]) - k_float * jnp.exp(log1m_p),
         mean - c_float[..., 0],
     )
+    if stable:
+        entropy = _entropy_from_stirling_pieces(
+            c_float[..., 0], mean_minus_center, expected_d, k_float[..., 0]
+        )
+        return jnp.where(k > k_max, jnp.nan, entropy)
     correction = mean_minus_center * log_shift[..., 0] + expected_d
     cross_entropy = k_float[..., 0] * jnp.sum(jnp.exp(log_p) * log_p, axis=-1)
     # Grouped so that a near-certain outcome (entropy 1e-28 beside log k! = 8.5, say)
@@ -343,6 +478,45 @@ def _entropy(log_p, log1m_p, k, *, k_max: int, half_width: int, width: int, dtyp
     # k_max is a static bound given by the user when k is traced: a k above it is
     # detected here, not silently computed with a table too short.
     return jnp.where(k > k_max, jnp.nan, entropy)
+
+
+def _entropy_from_stirling_pieces(center, mean_minus_center, expected_d, k):
+    """The entropy ``sum_i E[-log Poisson(z_i; m_i)] + log Poisson(k; k)`` (``m = k p``,
+    ``z_i ~ Binomial(k, p_i)``; the multinomial as the Poissons' product over the law of
+    their total) from ``c = floor(m)``, ``m - c`` and ``E[D]`` (`_entropy`), without a term
+    of the size of ``log k!``: with ``delta = m - c``,
+    ``E[-log Poisson(z; m)] = log c! + delta log(c + 1) - m log m + m + E[D]``, which is
+    ``log sqrt(2 pi c) + stirling_error(c) + (delta - c log(1 + delta / c))
+    + delta log(1 + (1 - delta) / m) + E[D]`` for ``c >= 1`` and ``m - m log m + E[D]`` for
+    ``c = 0``. The largest ``c`` is taken together with ``log Poisson(k; k)``: equal to
+    ``k`` (a near-certain outcome), their ``log sqrt(2 pi c)`` and Stirling errors cancel
+    exactly, so that an entropy of 1e-28 keeps its relative accuracy."""
+    n = center.shape[-1]
+    c_safe = jnp.maximum(center, 1.0)
+    m = center + mean_minus_center
+    m_safe = jnp.where(center >= 1, m, 1.0)
+    smooth = (mean_minus_center - c_safe * jnp.log1p(mean_minus_center / c_safe)) + (
+        mean_minus_center * jnp.log1p((1.0 - mean_minus_center) / m_safe)
+    )
+    m_small = jnp.where(center >= 1, 0.0, m)
+    # log of a placeholder 1 at m = 0 (k = 0, or p underflowing): xlogy's derivative there,
+    # log m + 1, is -inf, and times dm = 0 NaN.
+    log_m_small = jnp.log(jnp.where(m_small > 0, m_small, 1.0))
+    rest = jnp.where(center >= 1, smooth, m_small - m_small * log_m_small)
+    stirling = jnp.where(center >= 1, _log_sqrt_2pi_z_plus_stirling_error(c_safe), 0.0)
+    k_safe = jnp.maximum(k, 1.0)
+    stirling_total = jnp.where(k >= 1, _log_sqrt_2pi_z_plus_stirling_error(k_safe), 0.0)
+    is_top = jnp.arange(n) == jnp.argmax(center, axis=-1)[..., None]
+    c_top = jnp.sum(jnp.where(is_top, center, 0.0), axis=-1)
+    c_top_safe = jnp.maximum(c_top, 1.0)
+    top_minus_total = jnp.where(
+        (c_top >= 1) & (k >= 1),
+        0.5 * jnp.log1p((c_top_safe - k_safe) / k_safe)
+        + (_stirling_error(c_top_safe) - _stirling_error(k_safe)),
+        jnp.sum(jnp.where(is_top, stirling, 0.0), axis=-1) - stirling_total,
+    )
+    others = jnp.sum(jnp.where(is_top, 0.0, stirling), axis=-1)
+    return others + top_minus_total + jnp.sum(rest + expected_d, axis=-1)
 
 
 def _log_factorial_of_total(k):
@@ -363,10 +537,10 @@ def _log_prob_and_support(rate, k, value, *, dtype, total_below_2_to_the_m: bool
     log_p = _log_probs_only(rate)
     accumulation = log_p.dtype
     counts = value.astype(accumulation)
-    k = k.astype(accumulation)
-    log_prob = (
-        _log_factorial_of_total(k) - jnp.sum(gammaln(counts + 1), -1) + jnp.sum(counts * log_p, -1)
-    )
+    k = jnp.broadcast_to(k, in_support.shape).astype(accumulation)
+    # Off the support (or a negative k) the terms are finite placeholders: masked below.
+    k = jnp.maximum(k, 0.0)
+    log_prob = _multinomial_log_prob(counts, log_p, lax.stop_gradient(_probs_only(rate)), k)
     return jnp.where(in_support, log_prob, -jnp.inf).astype(dtype), in_support
 
 
@@ -379,14 +553,34 @@ def _sample_counts_categorical(key, rate, k, *, k_max: int, sample_shape: tuple[
     rows = math.prod(batch_shape)
     num_samples = math.prod(sample_shape)
     # The rates over the largest, not the rates: their sum could overflow (float32 rates
-    # near 1e38).
-    weights = (rate / jnp.max(rate, axis=-1, keepdims=True)).astype(dtype)
-    cumulative = jnp.cumsum(weights.reshape(rows, n), axis=-1)
-    uniforms = jax.random.uniform(key, (rows, num_samples * k_max), dtype=dtype)
+    # near 1e38). In the accumulation dtype (float64 where JAX has it) whatever the rates'
+    # dtype: a float32 cumulative sum of the categories in their order and float32 uniforms
+    # resolve probabilities only to 2**-24 of the total, so that a category of probability
+    # 3 * 2**-24 after a large one got one or two grid points (2/3 or 4/3 of its probability)
+    # instead of 1.5.
+    accumulation = _accumulation_dtype()
+    weights = rate.astype(accumulation)
+    weights = (weights / jnp.max(weights, axis=-1, keepdims=True)).reshape(rows, n)
+    shape = (rows, num_samples * k_max)
+    if accumulation == np.dtype(np.float32):
+        # Without float64 (x64 off): the categories in increasing order, so that the small
+        # ones lie near 0, where float32 resolves their cumulative sums to a few ulps of
+        # their own size, and uniforms that keep float32's relative precision down to
+        # 2**-64 (two 32-bit words; a plain float32 uniform is a grid of step 2**-23).
+        order = jnp.argsort(weights, axis=-1)
+        weights = jnp.take_along_axis(weights, order, axis=-1)
+        high, low = jax.random.bits(key, (2,) + shape, jnp.uint32)
+        uniforms = high.astype(accumulation) * 2.0**-32 + low.astype(accumulation) * 2.0**-64
+    else:
+        uniforms = jax.random.uniform(key, shape, dtype=accumulation)
+    cumulative = jnp.cumsum(weights, axis=-1)
     # Scaling by the last cumulative sum (not 1) makes the search match the rounded cumsum.
     targets = uniforms * cumulative[:, -1:]
     draws = jax.vmap(lambda c, t: jnp.searchsorted(c, t, side="right"))(cumulative, targets)
-    draws = jnp.minimum(draws, n - 1).reshape(rows, num_samples, k_max)
+    draws = jnp.minimum(draws, n - 1)
+    if accumulation == np.dtype(np.float32):
+        draws = jnp.take_along_axis(order, draws, axis=-1)
+    draws = draws.reshape(rows, num_samples, k_max)
     k_rows = jnp.broadcast_to(k, batch_shape).reshape(rows, 1, 1)
     keep = (jnp.arange(k_max) < k_rows).astype(dtype)
     sample_index = jnp.arange(num_samples)[:, None]
@@ -727,9 +921,7 @@ class ConditionedPoisson(Distribution):
         """``log P(sum_i z_i = k)`` under the unconstrained Poissons, ``log Poisson(k; sum(rate))``
         (the count likelihood of a bag of known total); ``-inf`` where ``k`` is out of
         range."""
-        log_total = logsumexp(jnp.log(self.rate.astype(_accumulation_dtype())), axis=-1)
-        k = self.k.astype(log_total.dtype)
-        log_prob = k * log_total - jnp.exp(log_total) - _log_factorial_of_total(k)
+        log_prob = _log_poisson_of_total(self.rate, jnp.maximum(self.k, 0))
         return self._mask_out_of_range_k(log_prob.astype(self.rate.dtype), -jnp.inf, event=False)
 
     def log_prob(self, value):
@@ -857,10 +1049,65 @@ def _vmap_over_conditioned_poisson(dist: ConditionedPoisson, rate=None, k=None):
     return _default_vmap_over(dist, rate=rate, k=k)
 
 
+# sum_{m >= 2} (m - 1) / m! d^(m - 2), the series of ((d - 1) e^d + 1) / d^2, to the term whose
+# contribution at |d| = 1/2 is below 1e-18 of the sum.
+_KL_SERIES = tuple((m - 1) / math.factorial(m) for m in range(2, 20))
+# Below this |log(p_i / q_i)| the series; above it (d - 1) p/q + 1 cancels by at most 8x.
+_KL_SERIES_MAX_D = 0.5
+
+
+def _relative_entropy(rate_p, rate_q):
+    """``sum_i p_i log(p_i / q_i)`` for ``p = rate_p / sum(rate_p)``, ``q`` likewise, in the
+    accumulation dtype, as ``sum_i q_i f(d_i)`` with ``d_i = log(p_i / q_i)`` and
+    ``f(d) = (d - 1) e^d + 1 >= 0`` (``sum p = sum q = 1``): every term is non-negative, so
+    the sum is, and nothing cancels between terms.
+
+    Where the two are close, ``d_i`` comes from the rates' differences, which are exact (both
+    scaled by one power of two; Sterbenz): ``p_i / q_i = 1 + (D_i B - b_i D) / (b_i A)`` with
+    ``a, b`` the scaled rates, ``A, B`` their sums, ``D_i = a_i - b_i`` and ``D = sum D_i``,
+    so a KL of 1e-14 keeps the working precision instead of the ``|log p|`` ulps of a
+    difference of logarithms; ``f`` is a series in ``d`` for ``|d| < 1/2``. Elsewhere (far
+    apart, ``|d| >= 1/2`` by the logarithms, where ``D_i B - b_i D`` would cancel, or rates
+    whose scaled values underflow) ``d`` is the difference of the logarithms and
+    ``q f(d) = p (d - 1) + q``."""
+    accumulation = _accumulation_dtype()
+    rate_p, rate_q = jnp.broadcast_arrays(rate_p.astype(accumulation), rate_q.astype(accumulation))
+    log_p = _log_probs_only(rate_p)
+    log_q = _log_probs_only(rate_q)
+    largest = jnp.maximum(jnp.max(rate_p, -1, keepdims=True), jnp.max(rate_q, -1, keepdims=True))
+    _, exponent = jnp.frexp(lax.stop_gradient(largest))
+    scale = jnp.ldexp(jnp.ones_like(largest), -exponent)
+    a = rate_p * scale
+    b = rate_q * scale
+    total_a = jnp.sum(a, -1, keepdims=True)
+    total_b = jnp.sum(b, -1, keepdims=True)
+    difference = a - b
+    numerator = difference * total_b - b * jnp.sum(difference, -1, keepdims=True)
+    resolvable = jnp.finfo(accumulation).tiny * 2.0**30
+    # Only where the two are close: far apart, D_i B - b_i D cancels (rates 1 beside 1e10),
+    # and the difference of the logarithms, at least 1/2, is accurate.
+    log_difference = log_p - log_q
+    close = jnp.abs(lax.stop_gradient(log_difference)) < _KL_SERIES_MAX_D
+    precise = close & (a > resolvable) & (b > resolvable)
+    denominator = jnp.where(precise, b * total_a, 1.0)
+    ratio_minus_one = jnp.where(precise, numerator / denominator, 0.0)
+    d = jnp.where(precise, jnp.log1p(ratio_minus_one), log_difference)
+    small = jnp.abs(d) < _KL_SERIES_MAX_D
+    d_small = jnp.where(small, d, 0.0)
+    series = _KL_SERIES[-1]
+    for coefficient in reversed(_KL_SERIES[:-1]):
+        series = coefficient + d_small * series
+    q_prob = jnp.exp(log_q)
+    near = q_prob * (d_small * d_small * series)
+    far = jnp.exp(log_p) * (jnp.where(small, 1.0, d) - 1.0) + q_prob
+    return jnp.sum(jnp.maximum(jnp.where(small, near, far), 0.0), -1)
+
+
 @kl_divergence.register(ConditionedPoisson, ConditionedPoisson)
 def _kl_conditioned_poisson(p: ConditionedPoisson, q: ConditionedPoisson):
     """``KL(p || q) = k sum_i p_i log(p_i / q_i)`` for two with the same ``k`` and ``n``, in
-    the promotion of their dtypes; NaN where ``k`` is out of range."""
+    the promotion of their dtypes, never negative and accurate also where the two are close
+    (`_relative_entropy`); NaN where ``k`` is out of range."""
     if p.event_shape != q.event_shape:
         raise ValueError(
             f"KL between ConditionedPoisson needs the same number of categories, got "
@@ -869,8 +1116,7 @@ def _kl_conditioned_poisson(p: ConditionedPoisson, q: ConditionedPoisson):
     if not_jax_tracer(p.k) and not_jax_tracer(q.k):
         if not np.array_equal(*np.broadcast_arrays(np.asarray(p.k), np.asarray(q.k))):
             raise ValueError("KL between ConditionedPoisson needs the same k")
-    log_p = p._log_p()
-    log_q = q._log_p()
-    kl = p.k.astype(log_p.dtype) * jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
+    relative_entropy = _relative_entropy(p.rate, q.rate)
+    kl = p.k.astype(relative_entropy.dtype) * relative_entropy
     kl = kl.astype(jnp.result_type(p.rate.dtype, q.rate.dtype))
     return p._mask_out_of_range_k(kl, jnp.nan, event=False)

@@ -16,9 +16,16 @@ from functools import partial, singledispatch
 
 import jax
 import jax.numpy as jnp
-from jax.scipy.special import gammaln
+from jax import lax
 
-from numpyro_constrained.conditioned_poisson import ConditionedPoisson, _log_p_and_log1m_p
+from numpyro_constrained.conditioned_poisson import (
+    ConditionedPoisson,
+    _finite_log_zero,
+    _log_poisson,
+    _log_sqrt_2pi_z_plus_stirling_error,
+    _normalized_log_probs,
+    _probs_only,
+)
 from numpyro_constrained.exactly_k_bernoulli import ExactlyKBernoulli
 from numpyro_constrained.linear_constrained_normal import LinearConstrainedNormal
 
@@ -116,52 +123,72 @@ def _expected_l1_loss_linear_constrained_normal(
 
 # ConditionedPoisson ------------------------------------------------------------------------
 # z_i ~ Binomial(k, p_i) marginally (docs/distributions/conditioned_poisson.md, with the corrected
-# L1 formula, not the published one).
+# L1 formula, not the published one). For a real target y with f = floor(y),
+# E|z - y| = E|z - f| + (y - f)(2 F(f) - 1) (each outcome j <= f is y - f farther, each j > f
+# that much nearer), which with the integer form at f is
+# 2 (k - f) p Bin(f; k, p) + (k p - y)(1 - 2 F(f)): exact for any real y.
 
 
-@partial(jax.jit, static_argnames=("k_max",))
-def _poisson_expected_l1(rate, k, target, *, k_max: int):
-    """``sum_i 2 (k - y_i) p_i Bin(y_i; k, p_i) + (k p_i - y_i)(1 - 2 F(y_i))``; NaN where
-    ``k > k_max`` (a traced ``k`` above the static bound: the outcome grid is too short)."""
-    p, _, _ = _log_p_and_log1m_p(rate)
-    k_float = k.astype(rate.dtype)[..., None]
-    pmf_at_y, cdf_at_y = _binomial_pmf_and_cdf_at(rate, k_float, target, k_max)
-    terms = 2 * (k_float - target) * p * pmf_at_y + (k_float * p - target) * (1 - 2 * cdf_at_y)
-    return jnp.where(k > k_max, jnp.nan, jnp.sum(terms, -1))
+@partial(jax.jit, static_argnames=("k_max", "dtype"))
+def _poisson_expected_l1(rate, k, target, *, k_max: int, dtype):
+    """``sum_i 2 (k - f_i) p_i Bin(f_i; k, p_i) + (k p_i - y_i)(1 - 2 F(f_i))``, ``f = floor(y)``,
+    in the accumulation dtype; NaN where ``k > k_max`` (a traced ``k`` above the static
+    bound: the outcome grid is too short)."""
+    p = _probs_only(rate)
+    accumulation = p.dtype
+    y = target.astype(accumulation)
+    target_floor = lax.stop_gradient(jnp.floor(y))
+    k_float = jnp.asarray(k).astype(accumulation)[..., None]
+    pmf_at_f, cdf_at_f = _binomial_pmf_and_cdf_at(rate, k_float, target_floor, k_max)
+    terms = 2 * (k_float - target_floor) * p * pmf_at_f + (k_float * p - y) * (1 - 2 * cdf_at_f)
+    return jnp.where(k > k_max, jnp.nan, jnp.sum(terms, -1)).astype(dtype)
 
 
-def _binomial_pmf_and_cdf_at(rate, k, target, k_max: int):
-    """``Binomial(y_i; k, p_i)`` and its CDF ``F(y_i)`` at integer targets ``y``, by summing
-    the pmf over ``0..k_max``: differentiable in the rates."""
-    _, log_p, log1m_p = _log_p_and_log1m_p(rate)
-    dtype = log_p.dtype
-    j = jnp.arange(k_max + 1, dtype=dtype)
+def _binomial_pmf_and_cdf_at(rate, k, target_floor, k_max: int):
+    """``Binomial(f_i; k, p_i)`` and its CDF ``F(f_i)`` at integers ``f`` (any, also outside
+    ``[0, k]``) by summing the pmf over ``0..k_max``, in the accumulation dtype: differentiable
+    in the rates. Each pmf is ``Poisson(j; k p) Poisson(k - j; k (1 - p)) / Poisson(k; k)``
+    in Loader's form (`_log_poisson`), so that float32 (x64 off) keeps its precision at large
+    ``k``, where ``log k! - log j! - log (k - j)!`` keeps no digit."""
+    log_p, log1m_p = _normalized_log_probs(rate)
+    accumulation = log_p.dtype
+    log1m_p = jnp.maximum(log1m_p, _finite_log_zero(accumulation))
+    j = jnp.arange(k_max + 1, dtype=accumulation)
     k = k[..., None]
     in_range = j <= k
     j_in_range = jnp.minimum(j, k)
+    log_k = jnp.log(jnp.maximum(k, 1.0))
+    k_safe = jnp.maximum(k, 1.0)
+    log_total = jnp.where(k >= 1, _log_sqrt_2pi_z_plus_stirling_error(k_safe), 0.0)
     log_pmf = (
-        gammaln(k + 1)
-        - gammaln(j_in_range + 1)
-        - gammaln(k - j_in_range + 1)
-        + j_in_range * log_p[..., None]
-        + (k - j_in_range) * log1m_p[..., None]
+        _log_poisson(j_in_range, k * jnp.exp(log_p)[..., None], log_k + log_p[..., None])
+        + _log_poisson(k - j_in_range, k * jnp.exp(log1m_p)[..., None], log_k + log1m_p[..., None])
+        + log_total
     )
     pmf = jnp.where(in_range, jnp.exp(log_pmf), 0.0)
-    y = target[..., None]
-    pmf_at_y = jnp.sum(jnp.where(j == y, pmf, 0.0), -1)
-    cdf_at_y = jnp.sum(jnp.where(j <= y, pmf, 0.0), -1)
-    return pmf_at_y, cdf_at_y
+    f = target_floor[..., None]
+    pmf_at_f = jnp.sum(jnp.where(j == f, pmf, 0.0), -1)
+    cdf_at_f = jnp.sum(jnp.where(j <= f, pmf, 0.0), -1)
+    return pmf_at_f, cdf_at_f
 
 
 @expected_l1_loss.register
 def _(dist: ConditionedPoisson, target) -> jax.Array:
-    """``sum_i 2 (k - y_i) p_i Bin(y_i; k, p_i) + (k p_i - y_i)(1 - 2 F(y_i))``, ``F`` the
-    Binomial(k, p_i) CDF, for integer targets ``y``."""
+    """``sum_i 2 (k - f_i) p_i Bin(f_i; k, p_i) + (k p_i - y_i)(1 - 2 F(f_i))`` with
+    ``f = floor(y)`` and ``F`` the Binomial(k, p_i) CDF: exact for any real target ``y``
+    (integer or not, inside ``[0, k]`` or not), accumulated in float64 where JAX has it (else
+    in float32, in a form that keeps float32's precision) and returned in the promotion of
+    the rates' and a floating target's dtypes. Its gradient in ``y`` is ``2 F(f) - 1``,
+    one-sided at integer ``y``, where the loss has a kink."""
     k_bound = dist._table_bound()
     if k_bound is None:
         raise ValueError("the expected L1 loss of ConditionedPoisson needs k_max when k is traced")
-    target = jnp.asarray(target, dtype=dist.rate.dtype)
-    loss = _poisson_expected_l1(dist.rate, dist.k, target, k_max=k_bound)
+    target = jnp.asarray(target)
+    if jnp.issubdtype(target.dtype, jnp.floating):
+        dtype = jnp.result_type(dist.rate.dtype, target.dtype)
+    else:
+        dtype = dist.rate.dtype
+    loss = _poisson_expected_l1(dist.rate, dist.k, target, k_max=k_bound, dtype=dtype)
     # NaN, not a finite number, where a traced k is negative or fractional.
     return dist._mask_out_of_range_k(loss, jnp.nan, event=False)
 

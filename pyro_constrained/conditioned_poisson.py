@@ -29,6 +29,14 @@ from constrained_ppl.exact_integers import (
     check_total_in_exact_range,
     largest_exact_integer,
 )
+from constrained_ppl.stirling import (
+    BD0_SERIES_MAX_V,
+    BD0_SERIES_TERMS,
+    LOG_SQRT_2PI,
+    STIRLING_ERROR_TABLE,
+    STIRLING_SERIES,
+    STIRLING_TABLE_MAX,
+)
 from pyro_constrained._repr import parameters_repr
 
 __all__ = ["ConditionedPoisson", "integer_composition", "positive_finite"]
@@ -174,15 +182,121 @@ def _probs_only(rate: torch.Tensor) -> torch.Tensor:
     return ratio / ratio.sum(-1, keepdim=True)
 
 
-def _log_p_and_log1m_p(rate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``p``, ``log p`` and ``log(1 - p)`` (`_normalized_log_probs`) in ``rate``'s dtype.
+# Loader's saddle-point forms (constrained_ppl.stirling): Poisson log-probabilities from small
+# pieces, so that nothing of the size of log k! is subtracted and a rate sum that overflows
+# gives -inf, not inf - inf.
 
-    Where ``p == 1`` (a single category) ``log(1 - p)`` is `_finite_log_zero` rather than
-    ``-inf``, so that neither values nor gradients become NaN.
-    """
-    log_p, log1m_p = _normalized_log_probs(rate)
-    log1m_p = log1m_p.clamp(min=_finite_log_zero(rate.dtype))
-    return log_p.exp().to(rate.dtype), log_p.to(rate.dtype), log1m_p.to(rate.dtype)
+
+def _stirling_error(z: torch.Tensor) -> torch.Tensor:
+    """``log z! - (z log z - z + log sqrt(2 pi z))`` for integers ``z >= 1`` (a placeholder 0
+    at ``z = 0``), in ``z``'s float dtype: tabulated up to `STIRLING_TABLE_MAX`, else the
+    asymptotic series (Horner in ``1 / z^2``)."""
+    table = torch.tensor(STIRLING_ERROR_TABLE, dtype=z.dtype, device=z.device)
+    small = table[z.clamp(0, STIRLING_TABLE_MAX).long()]
+    large = z.clamp(min=STIRLING_TABLE_MAX + 1.0)
+    inverse_square = 1.0 / (large * large)
+    series = torch.full_like(z, STIRLING_SERIES[-1])
+    for coefficient in reversed(STIRLING_SERIES[:-1]):
+        series = coefficient + inverse_square * series
+    return torch.where(z <= STIRLING_TABLE_MAX, small, series / large)
+
+
+def _bd0(x: torch.Tensor, m: torch.Tensor, log_m: torch.Tensor) -> torch.Tensor:
+    """``x log(x / m) + m - x >= 0`` for ``x >= 1`` and ``m > 0`` (``log_m = log m``, used where
+    ``m`` underflows), without cancellation: the series in ``v = (x - m) / (x + m)`` where
+    ``|v|`` is small, else directly (``inf`` where ``m`` is)."""
+    tiny = torch.finfo(x.dtype).tiny * 2.0**30
+    finite = torch.isfinite(m)
+    m_safe = torch.where(finite, m, x)
+    difference = x - m_safe
+    v = difference / (x + m_safe)
+    v2 = v * v
+    odd = torch.full_like(v, 1.0 / (2 * BD0_SERIES_TERMS + 1))
+    for j in range(BD0_SERIES_TERMS - 1, 0, -1):
+        odd = 1.0 / (2 * j + 1) + v2 * odd
+    series = difference * v + 2.0 * x * v * v2 * odd
+    normal = m_safe > tiny
+    log_ratio = torch.where(
+        normal, torch.log(x / torch.where(normal, m_safe, 1.0)), torch.log(x) - log_m
+    )
+    direct = x * log_ratio + m_safe - x
+    value = torch.where(v.abs() < BD0_SERIES_MAX_V, series, direct)
+    return torch.where(finite, value, math.inf)
+
+
+def _log_poisson(z: torch.Tensor, m: torch.Tensor, log_m: torch.Tensor) -> torch.Tensor:
+    """``log Poisson(z; m)`` for integers ``z >= 0``: ``-m`` at ``z = 0``, else
+    ``-log sqrt(2 pi z) - stirling_error(z) - bd0(z, m)``."""
+    z_safe = z.clamp(min=1.0)
+    positive = -(LOG_SQRT_2PI + 0.5 * torch.log(z_safe) + _stirling_error(z_safe))
+    positive = positive - _bd0(z_safe, m, log_m)
+    return torch.where(z >= 1, positive, -m)
+
+
+def _log_poisson_of_total(rate: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``log Poisson(k; sum(rate))`` in float64 without cancellation; the sum as
+    ``max * sum(rate / max)`` (``inf`` only where the true sum overflows, where the result,
+    about ``-sum(rate)``, is ``-inf``)."""
+    rate = rate.to(torch.float64)
+    largest = rate.amax(-1)
+    ratio_sum = (rate / largest.unsqueeze(-1)).sum(-1)
+    total = largest * ratio_sum
+    log_total = largest.log() + ratio_sum.log()
+    total, log_total, k = torch.broadcast_tensors(total, log_total, k.to(torch.float64))
+    return _log_poisson(k, total, log_total)
+
+
+# sum_{m >= 2} (m - 1) / m! d^(m - 2), the series of ((d - 1) e^d + 1) / d^2, to the term whose
+# contribution at |d| = 1/2 is below 1e-18 of the sum.
+_KL_SERIES = tuple((m - 1) / math.factorial(m) for m in range(2, 20))
+# Below this |log(p_i / q_i)| the series; above it (d - 1) p/q + 1 cancels by at most 8x.
+_KL_SERIES_MAX_D = 0.5
+
+
+def _relative_entropy(rate_p: torch.Tensor, rate_q: torch.Tensor) -> torch.Tensor:
+    """``sum_i p_i log(p_i / q_i)`` for ``p = rate_p / sum(rate_p)``, ``q`` likewise, in
+    float64, as ``sum_i q_i f(d_i)`` with ``d_i = log(p_i / q_i)`` and
+    ``f(d) = (d - 1) e^d + 1 >= 0`` (``sum p = sum q = 1``): every term is non-negative, so
+    the sum is, and nothing cancels between terms.
+
+    Where the two are close, ``d_i`` comes from the rates' differences, which are exact (both
+    scaled by one power of two; Sterbenz): ``p_i / q_i = 1 + (D_i B - b_i D) / (b_i A)`` with
+    ``a, b`` the scaled rates, ``A, B`` their sums, ``D_i = a_i - b_i`` and ``D = sum D_i``,
+    so a KL of 1e-14 keeps the working precision instead of the ``|log p|`` ulps of a
+    difference of logarithms; ``f`` is a series in ``d`` for ``|d| < 1/2``. Elsewhere (far
+    apart, ``|d| >= 1/2`` by the logarithms, where ``D_i B - b_i D`` would cancel, or rates
+    whose scaled values underflow) ``d`` is the difference of the logarithms and
+    ``q f(d) = p (d - 1) + q``."""
+    rate_p, rate_q = torch.broadcast_tensors(rate_p.to(torch.float64), rate_q.to(torch.float64))
+    log_p = _log_probs_only(rate_p)
+    log_q = _log_probs_only(rate_q)
+    largest = torch.maximum(rate_p.amax(-1, keepdim=True), rate_q.amax(-1, keepdim=True))
+    _, exponent = torch.frexp(largest.detach())
+    scale = torch.ldexp(torch.ones_like(largest), -exponent)
+    a = rate_p * scale
+    b = rate_q * scale
+    total_a = a.sum(-1, keepdim=True)
+    total_b = b.sum(-1, keepdim=True)
+    difference = a - b
+    numerator = difference * total_b - b * difference.sum(-1, keepdim=True)
+    resolvable = torch.finfo(torch.float64).tiny * 2.0**30
+    # Only where the two are close: far apart, D_i B - b_i D cancels (rates 1 beside 1e10),
+    # and the difference of the logarithms, at least 1/2, is accurate.
+    log_difference = log_p - log_q
+    close = log_difference.detach().abs() < _KL_SERIES_MAX_D
+    precise = close & (a > resolvable) & (b > resolvable)
+    denominator = torch.where(precise, b * total_a, 1.0)
+    ratio_minus_one = torch.where(precise, numerator / denominator, 0.0)
+    d = torch.where(precise, torch.log1p(ratio_minus_one), log_difference)
+    small = d.abs() < _KL_SERIES_MAX_D
+    d_small = torch.where(small, d, 0.0)
+    series = torch.full_like(d, _KL_SERIES[-1])
+    for coefficient in reversed(_KL_SERIES[:-1]):
+        series = coefficient + d_small * series
+    q_prob = log_q.exp()
+    near = q_prob * (d_small * d_small * series)
+    far = log_p.exp() * (torch.where(small, 1.0, d) - 1.0) + q_prob
+    return torch.where(small, near, far).clamp(min=0.0).sum(-1)
 
 
 def _binomial_windows(
@@ -318,8 +432,13 @@ def _sample_counts(rate: torch.Tensor, k: torch.Tensor, sample_shape: torch.Size
     if k_max < SEQUENTIAL_BINOMIAL_MIN_K_PER_CATEGORY * n:
         # One multinomial call draws k_max categories for every (row, sample); the draws past
         # a row's own k are masked out, which keeps them exact for per-row k. The rates over
-        # the largest, not the rates: their sum could overflow (float32 rates near 1e38).
-        weights = rate_rows / rate_rows.amax(-1, keepdim=True)
+        # the largest, not the rates: their sum could overflow (float32 rates near 1e38). In
+        # float64 whatever the rates' dtype: torch.multinomial accumulates its cumulative
+        # distribution in the weights' dtype, and a float32 one rounds each small weight
+        # after a large one to whole ulps of the running sum (3 * 2**-24 after 1 counted as
+        # 2**-22, a third too much).
+        weights = rate_rows.to(torch.float64)
+        weights = weights / weights.amax(-1, keepdim=True)
         draws = torch.multinomial(weights, num_samples * k_max, replacement=True)
         draws = draws.view(rows, num_samples, k_max)
         if bool((k_rows == k_max).all()):
@@ -619,9 +738,7 @@ class ConditionedPoisson(TorchDistribution):
     def log_constraint_prob(self) -> torch.Tensor:
         """``log P(sum_i z_i = k)`` under the unconstrained Poissons, ``log Poisson(k; sum(rate))``
         (the count likelihood of a bag of known total); ``-inf`` where ``k < 0``."""
-        log_total = torch.logsumexp(self.rate.double().log(), -1)
-        k = self.k.double()
-        log_prob = torch.xlogy(k, log_total.exp()) - log_total.exp() - torch.lgamma(k + 1)
+        log_prob = _log_poisson_of_total(self.rate, self._k_long)
         return log_prob.to(self.rate.dtype).masked_fill(self._k_is_negative, -math.inf)
 
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
@@ -732,7 +849,8 @@ def _check_k_is_exact(k: torch.Tensor, dtype: torch.dtype, k_max: int | None) ->
 @register_kl(ConditionedPoisson, ConditionedPoisson)
 def _kl_conditioned_poisson(p: ConditionedPoisson, q: ConditionedPoisson) -> torch.Tensor:
     """``KL(p || q) = k sum_i p_i log(p_i / q_i)`` for two with the same ``k`` and ``n``, in
-    the promotion of their dtypes; NaN where ``k < 0``."""
+    the promotion of their dtypes, never negative and accurate also where the two are close
+    (`_relative_entropy`); NaN where ``k < 0``."""
     if p.event_shape != q.event_shape:
         raise ValueError(
             f"KL between ConditionedPoisson needs the same number of categories, got "
@@ -740,8 +858,6 @@ def _kl_conditioned_poisson(p: ConditionedPoisson, q: ConditionedPoisson) -> tor
         )
     if not torch.equal(*torch.broadcast_tensors(p.k.double(), q.k.double())):
         raise ValueError("KL between ConditionedPoisson needs the same k")
-    log_p = p._log_p()
-    log_q = q._log_p()
-    kl = p.k.double() * (log_p.exp() * (log_p - log_q)).sum(-1)
+    kl = p.k.double() * _relative_entropy(p.rate, q.rate)
     kl = kl.to(torch.promote_types(p.rate.dtype, q.rate.dtype))
     return kl.masked_fill(p._k_is_negative, math.nan)

@@ -16,7 +16,12 @@ from functools import singledispatch
 
 import torch
 
-from pyro_constrained.conditioned_poisson import ConditionedPoisson, _log_p_and_log1m_p
+from pyro_constrained.conditioned_poisson import (
+    ConditionedPoisson,
+    _finite_log_zero,
+    _normalized_log_probs,
+    _probs_only,
+)
 from pyro_constrained.exactly_k_bernoulli import ExactlyKBernoulli
 from pyro_constrained.linear_constrained_normal import LinearConstrainedNormal
 
@@ -114,17 +119,20 @@ def _expected_l1_loss_linear_constrained_normal(
 
 # ConditionedPoisson ------------------------------------------------------------------------
 # z_i ~ Binomial(k, p_i) marginally (docs/distributions/conditioned_poisson.md, with the corrected
-# L1 formula, not the published one).
+# L1 formula, not the published one). For a real target y with f = floor(y),
+# E|z - y| = E|z - f| + (y - f)(2 F(f) - 1) (each outcome j <= f is y - f farther, each j > f
+# that much nearer), which with the integer form at f is
+# 2 (k - f) p Bin(f; k, p) + (k p - y)(1 - 2 F(f)): exact for any real y.
 
 
-def _binomial_pmf_and_cdf_at(dist: ConditionedPoisson, target: torch.Tensor):
-    """``Binomial(y_i; k, p_i)`` and its CDF ``F(y_i)`` at integer targets ``y``, by summing
-    the pmf over ``0..k``: differentiable in the rates."""
-    _, log_p, log1m_p = _log_p_and_log1m_p(dist.rate)
-    dtype = log_p.dtype
+def _binomial_pmf_and_cdf_at(dist: ConditionedPoisson, target_floor: torch.Tensor):
+    """``Binomial(f_i; k, p_i)`` and its CDF ``F(f_i)`` at integers ``f`` (any, also outside
+    ``[0, k]``), in float64, by summing the pmf over ``0..k``: differentiable in the rates."""
+    log_p, log1m_p = _normalized_log_probs(dist.rate)
+    log1m_p = log1m_p.clamp(min=_finite_log_zero(torch.float64))
     k_max = int(dist.k.max()) if dist.k.numel() else 0
-    j = torch.arange(k_max + 1, dtype=dtype, device=log_p.device)
-    k = dist.k.unsqueeze(-1).unsqueeze(-1)
+    j = torch.arange(k_max + 1, dtype=torch.float64, device=log_p.device)
+    k = dist.k.double().unsqueeze(-1).unsqueeze(-1)
     in_range = j <= k
     j_in_range = torch.minimum(j, k)
     log_pmf = (
@@ -135,23 +143,31 @@ def _binomial_pmf_and_cdf_at(dist: ConditionedPoisson, target: torch.Tensor):
         + (k - j_in_range) * log1m_p.unsqueeze(-1)
     )
     pmf = torch.where(in_range, log_pmf.exp(), 0.0)
-    y = target.unsqueeze(-1)
-    pmf, y = torch.broadcast_tensors(pmf, y)
-    pmf_at_y = torch.where(j == y, pmf, 0.0).sum(-1)
-    cdf_at_y = torch.where(j <= y, pmf, 0.0).sum(-1)
-    return pmf_at_y, cdf_at_y
+    f = target_floor.unsqueeze(-1)
+    pmf, f = torch.broadcast_tensors(pmf, f)
+    pmf_at_f = torch.where(j == f, pmf, 0.0).sum(-1)
+    cdf_at_f = torch.where(j <= f, pmf, 0.0).sum(-1)
+    return pmf_at_f, cdf_at_f
 
 
 @expected_l1_loss.register
 def _(dist: ConditionedPoisson, target: torch.Tensor) -> torch.Tensor:
-    """``sum_i 2 (k - y_i) p_i Bin(y_i; k, p_i) + (k p_i - y_i)(1 - 2 F(y_i))``, ``F`` the
-    Binomial(k, p_i) CDF, for integer targets ``y``."""
-    target = torch.as_tensor(target, dtype=dist.rate.dtype, device=dist.rate.device)
-    p = dist.probs
-    k = dist.k.unsqueeze(-1)
-    pmf_at_y, cdf_at_y = _binomial_pmf_and_cdf_at(dist, target)
-    terms = 2 * (k - target) * p * pmf_at_y + (k * p - target) * (1 - 2 * cdf_at_y)
-    return terms.sum(-1)
+    """``sum_i 2 (k - f_i) p_i Bin(f_i; k, p_i) + (k p_i - y_i)(1 - 2 F(f_i))`` with
+    ``f = floor(y)`` and ``F`` the Binomial(k, p_i) CDF: exact for any real target ``y``
+    (integer or not, inside ``[0, k]`` or not), accumulated in float64 and returned in the
+    promotion of the rates' and a floating target's dtypes. Its gradient in ``y`` is
+    ``2 F(f) - 1``, one-sided at integer ``y``, where the loss has a kink."""
+    target = torch.as_tensor(target, device=dist.rate.device)
+    if not target.is_floating_point():
+        target = target.to(dist.rate.dtype)
+    dtype = torch.promote_types(dist.rate.dtype, target.dtype)
+    y = target.double()
+    target_floor = torch.floor(y).detach()
+    p = _probs_only(dist.rate)
+    k = dist.k.double().unsqueeze(-1)
+    pmf_at_f, cdf_at_f = _binomial_pmf_and_cdf_at(dist, target_floor)
+    terms = 2 * (k - target_floor) * p * pmf_at_f + (k * p - y) * (1 - 2 * cdf_at_f)
+    return terms.sum(-1).to(dtype)
 
 
 @expected_l2_loss.register

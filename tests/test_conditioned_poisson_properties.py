@@ -261,6 +261,19 @@ def test_float32_and_float64_entropy_at_large_k(dtype_name):
     _assert_close(_jax(rate, k, dtype_name).entropy(), expected, dtype_name, scale, "jax")
 
 
+def _kl_scale(rate, other, k) -> float:
+    """``k sum_i p_i |d_i|`` with ``d_i = log(p_i / q_i)`` at high precision: the KL is
+    computed from ``d_i`` known to a few ulps relative (from the rates' differences where
+    the two are close, from the logarithms where ``|d_i| >= 1/2``), so its error is a few
+    ulps of this; two proportional rate vectors whose float rounding leaves a KL of 1e-34 have
+    a scale of about 1e-17."""
+    import mpmath
+
+    with mpmath.workdps(oracle._digits_for(rate, other) + 40):
+        p, q = oracle._mp_probs(rate), oracle._mp_probs(other)
+        return float(k * mpmath.fsum(a * abs(mpmath.log(a / b)) for a, b in zip(p, q, strict=True)))
+
+
 # A few totals: JAX compiles its entropy per (n, k).
 @settings(max_examples=12)
 @given(
@@ -275,9 +288,7 @@ def test_entropy_and_kl_match_enumeration_at_60_digits(rate, other, k):
         expected_entropy = oracle.mp_enumerated_entropy(held, k)
         expected_kl = oracle.mp_enumerated_kl(held, held_other, k)
         scale = _entropy_scale(held, k)
-        log_p, _ = oracle.mp_log_probs_and_complements(held)
-        log_q, _ = oracle.mp_log_probs_and_complements(held_other)
-        kl_scale = k * np.abs(np.exp(log_p) * (log_p - log_q)).sum()
+        kl_scale = _kl_scale(held, held_other, k)
         p, q = _torch(rate, k, dtype_name), _torch(other, k, dtype_name)
         _assert_close(p.entropy(), expected_entropy, dtype_name, scale, "torch entropy")
         kl = torch.distributions.kl_divergence(p, q)
@@ -646,3 +657,229 @@ def test_mixed_float32_and_float64_inputs_promote_as_the_framework_does():
     assert jax32.log_prob(jnp.asarray([1.0, 2.0], jnp.float64)).dtype == jnp.float64
     assert jax32.log_prob(jnp.asarray([1, 2])).dtype == jnp.float32
     assert jax_kl_divergence(jax32, _jax([3.0, 1.0], 3, "float64")).dtype == jnp.float64
+
+
+# Gradients (issue 29) ---------------------------------------------------------------------
+
+GRADIENT_LOG10_RATE = st.floats(-8.0, 8.0, allow_nan=False)
+
+
+@st.composite
+def gradient_cases(draw):
+    """Three rates spread over 16 decades or tied to 1e-7, a second rate vector (for KL), a
+    small k (enumeration) and a real-valued target, integers and halves included."""
+    kind = draw(st.sampled_from(["spread", "near-ties"]))
+    log10 = draw(st.lists(GRADIENT_LOG10_RATE, min_size=3, max_size=3))
+    if kind == "near-ties":
+        jitter = draw(st.lists(st.floats(-1e-7, 1e-7), min_size=3, max_size=3))
+        log10 = [log10[0] + j for j in jitter]
+    rate = 10.0 ** np.asarray(log10)
+    other = rate * 10.0 ** np.asarray(draw(st.lists(st.floats(-1.0, 1.0), min_size=3, max_size=3)))
+    k = draw(st.sampled_from([0, 1, 5]))
+    target = np.asarray(
+        draw(st.lists(st.floats(-2.0, 8.0, allow_nan=False), min_size=3, max_size=3))
+    )
+    return rate, other, k, target
+
+
+def _composition_near_the_mean(rate, k):
+    """floor(k p) with the remainder on the first categories."""
+    value = np.floor(k * rate / rate.sum())
+    value[: int(k - value.sum())] += 1
+    return value
+
+
+def _references(rate, other, k, target):
+    """The quantities as float64 functions of the rates, from enumeration and closed forms
+    written here (not the library)."""
+    p = rate / rate.sum()
+    q = other / other.sum()
+    value = _composition_near_the_mean(rate, k)
+    return {
+        "log_prob": float(stats.multinomial.logpmf(value, k, p)) if k else 0.0,
+        "mean": float(np.sum(k * p * np.arange(1, 4))),
+        "log_constraint_prob": stats.poisson.logpmf(k, rate.sum()),
+        "entropy": oracle.enumerated_entropy(rate, k),
+        "kl": k * float(np.sum(p * (np.log(p) - np.log(q)))),
+        "variance": float(np.sum(k * p * (1 - p) * np.arange(1, 4))),
+        "l1": oracle.enumerated_expected_l1(rate, k, target),
+        "l2": oracle.enumerated_expected_l2(rate, k, target),
+    }
+
+
+def _library_scalars(module, losses, rate, other, k, target, kl, value):
+    d = module.ConditionedPoisson(rate, k=k)
+    e = module.ConditionedPoisson(other, k=k)
+    weights = [1.0, 2.0, 3.0]
+    if isinstance(rate, torch.Tensor):
+        value, weighted = rate.new_tensor(value), rate.new_tensor(weights)
+    else:
+        value, weighted = jnp.asarray(value, rate.dtype), jnp.asarray(weights, rate.dtype)
+    return {
+        "log_prob": d.log_prob(value),
+        "mean": (d.mean * weighted).sum(),
+        "log_constraint_prob": d.log_constraint_prob(),
+        "entropy": d.entropy(),
+        "kl": kl(d, e),
+        "variance": (d.variance * weighted).sum(),
+        "l1": losses.expected_l1_loss(d, target),
+        "l2": losses.expected_l2_loss(d, target),
+    }
+
+
+@settings(max_examples=6)
+@given(case=gradient_cases())
+def test_gradients_in_log_rate_match_finite_differences_of_references(case):
+    # d f / d log rate_j against central differences (step 1e-5 in log rate) of float64
+    # references, for log_prob (at a fixed composition near the mean), a weighted mean,
+    # log_constraint_prob, entropy, KL, a weighted variance and both expected
+    # losses (at a real-valued target), in both packages and dtypes; NumPyro's float32 with
+    # x64 off. Tolerance: float64 1e-6, float32 2e-3, relative to the largest
+    # log-rate derivative of that quantity plus 1e-8.
+    from numpyro_constrained import losses as jax_losses
+    from pyro_constrained import losses as torch_losses
+
+    rate, other, k, target = case
+    value = _composition_near_the_mean(rate, k)
+    step = 1e-5
+    names = list(_references(rate, other, k, target))
+    expected = {name: np.zeros(3) for name in names}
+    for j in range(3):
+        up, down = rate.copy(), rate.copy()
+        up[j] *= math.exp(step)
+        down[j] *= math.exp(-step)
+        f_up, f_down = _references(up, other, k, target), _references(down, other, k, target)
+        for name in names:
+            expected[name][j] = (f_up[name] - f_down[name]) / (2 * step)
+
+    values = _references(rate, other, k, target)
+
+    def check(actual, dtype_name, what):
+        for name in names:
+            # A derivative that is 0 through cancellation (the L1 loss at y = 0 is k; the KL
+            # at q = p) is known to the rounding of the value's terms, and the reference's
+            # differences to about 1e-11 (1 + k) (float64 rounding over the step).
+            scale = np.max(np.abs(expected[name])) + abs(values[name]) + 1e-4 * (1 + k)
+            tolerance = (2e-3 if dtype_name == "float32" else 1e-6) * scale
+            got = np.asarray(actual[name], np.float64)
+            assert np.all(np.isfinite(got)), f"{what} {name} {dtype_name}: {got}"
+            assert np.all(np.abs(got - expected[name]) <= tolerance), (
+                f"{what} d {name} / d log rate ({dtype_name}): {got} vs {expected[name]}"
+            )
+
+    for dtype_name in DTYPE_NAMES:
+        dtype = TORCH_DTYPES[dtype_name]
+        log_rate = torch.tensor(np.log(rate), dtype=dtype, requires_grad=True)
+        other_t = torch.tensor(other, dtype=dtype)
+        target_t = torch.tensor(target, dtype=dtype)
+        grads = {}
+        for name in names:
+            scalars = _library_scalars(
+                pyro_constrained,
+                torch_losses,
+                log_rate.exp(),
+                other_t,
+                k,
+                target_t,
+                torch.distributions.kl_divergence,
+                value,
+            )
+            (grads[name],) = torch.autograd.grad(scalars[name], log_rate)
+        check(grads, dtype_name, "torch")
+
+        # float32 with x64 on accumulates in float64 as float64 does: x64 off is the case.
+        for x64 in [dtype_name == "float64"]:
+            with jax.enable_x64(x64):
+
+                def stacked(log_r, dtype_name=dtype_name):
+                    scalars = _library_scalars(
+                        numpyro_constrained,
+                        jax_losses,
+                        jnp.exp(log_r),
+                        jnp.asarray(other, dtype_name),
+                        k,
+                        jnp.asarray(target, dtype_name),
+                        jax_kl_divergence,
+                        value,
+                    )
+                    return jnp.stack([scalars[name] for name in names])
+
+                # One compiled Jacobian for all the quantities (eager grads compile every
+                # primitive apart).
+                jacobian = jax.jit(jax.jacrev(stacked))(jnp.asarray(np.log(rate), dtype_name))
+                grads = dict(zip(names, np.asarray(jacobian), strict=True))
+                check(grads, dtype_name, f"jax x64={x64}")
+
+
+# Expected losses at real-valued targets (issue 29) ------------------------------------------
+
+REAL_TARGET = st.floats(-3.0, 9.0, allow_nan=False, allow_infinity=False)
+
+
+def _mp_expected_losses(rate, k, target) -> tuple[float, float]:
+    """E ||z - y||_1 and E ||z - y||_2^2 averaged over every composition with the 60-digit
+    pmf (a float64 pmf of 1 - 2e-17 rounds to 1 and loses the rest)."""
+    import mpmath
+
+    support, log_pmf = oracle.mp_enumerated_log_pmf(rate, k)
+    with mpmath.workdps(oracle._digits_for(rate) + 20):
+        y = [mpmath.mpf(float(v)) for v in target]
+        pmf = [mpmath.exp(w) for w in log_pmf]
+        l1 = mpmath.fsum(
+            w * mpmath.fsum(abs(z - v) for z, v in zip(row, y, strict=True))
+            for w, row in zip(pmf, support.tolist(), strict=True)
+        )
+        l2 = mpmath.fsum(
+            w * mpmath.fsum((z - v) ** 2 for z, v in zip(row, y, strict=True))
+            for w, row in zip(pmf, support.tolist(), strict=True)
+        )
+        return float(l1), float(l2)
+
+
+@settings(max_examples=15)
+@given(
+    rate=rate_vectors(sizes=(3,)),
+    k=st.sampled_from([0, 1, 4, 6]),
+    target=st.lists(
+        st.one_of(REAL_TARGET, st.integers(-2, 8).map(float), REAL_TARGET.map(math.floor)),
+        min_size=3,
+        max_size=3,
+    ),
+)
+def test_expected_losses_at_real_targets_match_enumeration(rate, k, target):
+    # Rates over 60 decades, targets integer, whole-number and not, inside [0, k] or not,
+    # against the enumerated average over every composition, both packages and dtypes and
+    # NumPyro's float32 with x64 off too.
+    target = np.asarray(target, np.float64)
+    for dtype_name in DTYPE_NAMES:
+        held = _rounded(rate, dtype_name)
+        expected_l1, expected_l2 = _mp_expected_losses(held, k, target)
+        scale = np.abs(target).sum() + k
+        d = _torch(rate, k, dtype_name)
+        y = torch.tensor(target, dtype=TORCH_DTYPES[dtype_name])
+        actual = [
+            pyro_constrained.losses.expected_l1_loss(d, y),
+            pyro_constrained.losses.expected_l2_loss(d, y),
+        ]
+        _assert_close(actual[0], expected_l1, dtype_name, scale, "torch l1")
+        _assert_close(actual[1], expected_l2, dtype_name, scale**2, "torch l2")
+        for x64 in [True, False] if dtype_name == "float32" else [True]:
+            with jax.enable_x64(x64):
+                d = _jax(rate, k, dtype_name)
+                y = jnp.asarray(target, JAX_DTYPES[dtype_name])
+                actual = [
+                    float(numpyro_constrained.losses.expected_l1_loss(d, y)),
+                    float(numpyro_constrained.losses.expected_l2_loss(d, y)),
+                ]
+            if x64:
+                _assert_close(actual[0], expected_l1, dtype_name, scale, "jax l1")
+                _assert_close(actual[1], expected_l2, dtype_name, scale**2, "jax l2")
+            else:
+                # float32 accumulation: (k p - y)(1 - 2 F) and its kin cancel to a few
+                # float32 ulps of the targets' and k's size.
+                eps32 = float(np.finfo(np.float32).eps)
+                for got, want, size in [
+                    (actual[0], expected_l1, scale),
+                    (actual[1], expected_l2, scale**2),
+                ]:
+                    assert abs(got - want) <= 1e-4 * abs(want) + 8 * eps32 * size, (got, want)
