@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from numpyro.util import not_jax_tracer
 
+from constrained_ppl.conditioning import check_full_row_rank
+
 __all__ = ["DEFAULT_RTOL_ULPS", "LinearConstraint"]
 
 # The default support tolerance, in units of the machine epsilon of the dtype. Evaluating a
@@ -81,6 +83,99 @@ def _row_sorted_qr(tall: jax.Array) -> tuple[jax.Array, jax.Array]:
     q, r = jnp.linalg.qr(jnp.take_along_axis(tall, order[..., None], axis=-2))
     inverse_order = jnp.argsort(order, axis=-1)
     return jnp.take_along_axis(q, inverse_order[..., None], axis=-2), r
+
+
+def _row_sorted_complement(tall: jax.Array) -> jax.Array:
+    """An orthonormal basis (..., n, n - a) of the orthogonal complement of the range of
+    ``tall`` (..., n, a), full column rank: the last n - a columns of the complete QR
+    factor, with the reflections applied to the rows sorted by decreasing norm as in
+    :func:`_row_sorted_qr`. Not differentiated (``stop_gradient``; the callers
+    differentiate it by hand). Its rows are accurate to a few ulps relative to their own
+    length, also when that length is tiny (a coordinate almost fixed by the constraint),
+    which ``1 - ||Q_i||^2`` is not; a row that the constraint fixes exactly (an ``e_i`` in
+    the range) comes out as exact zeros when the Householder vectors do not mix it."""
+    tall = jax.lax.stop_gradient(tall)
+    order = jnp.argsort(-jnp.linalg.norm(tall, axis=-1), axis=-1)
+    sorted_rows = jnp.take_along_axis(tall, order[..., None], axis=-2)
+    q = jnp.linalg.qr(sorted_rows, mode="complete")[0]
+    inverse_order = jnp.argsort(order, axis=-1)
+    return jnp.take_along_axis(q, inverse_order[..., None], axis=-2)[..., tall.shape[-1] :]
+
+
+def _householder_reflections(tall: jax.Array):
+    """The complete orthogonal factor ``Q_full`` (n x n) of the row-sorted QR of ``tall``
+    (..., n, a), kept as its Householder reflections in compact WY form: ``(order,
+    inverse_order, V, T)`` with ``Q_full = I - V T V^T`` in the rows sorted by decreasing
+    norm (as :func:`_row_sorted_qr` sorts them), ``V`` (..., n, a) the unit lower
+    trapezoidal reflection vectors of ``jnp.linalg.qr(mode="raw")`` and ``T`` (..., a, a)
+    upper triangular, accumulated by LAPACK's recursion (``larft``). O(n a^2) time, O(n a)
+    memory, not differentiated (``stop_gradient``). Applying ``Q_full`` or its transpose
+    to c columns costs O(n a c) by matrix products, as accurately as the QR itself, so
+    ``I - Q Q^T`` applied that way (:func:`_complement_project`) has no cancellation."""
+    tall = jax.lax.stop_gradient(tall)
+    order = jnp.argsort(-jnp.linalg.norm(tall, axis=-1), axis=-1)
+    inverse_order = jnp.argsort(order, axis=-1)
+    packed, tau = jnp.linalg.qr(jnp.take_along_axis(tall, order[..., None], axis=-2), mode="raw")
+    packed = jnp.swapaxes(packed, -1, -2)  # LAPACK's layout, (..., n, a)
+    n, a = packed.shape[-2:]
+    rows, columns = jnp.arange(n)[:, None], jnp.arange(a)
+    v = jnp.where(rows > columns, packed, (rows == columns).astype(packed.dtype))
+    gram = jnp.swapaxes(v, -1, -2) @ v
+
+    def column(j, t):
+        # T[:j, j] = -tau_j T[:j, :j] V[:, :j]^T v_j and T[j, j] = tau_j (the columns of T
+        # from j on are still zero, so a masked product is the leading block's).
+        tau_j = jnp.take(tau, j, axis=-1)[..., None]
+        coupling = jnp.where(columns < j, jnp.take(gram, j, axis=-1), 0)
+        values = -tau_j * (t @ coupling[..., None])[..., 0]
+        values = jnp.where(columns == j, tau_j, values)
+        return jax.lax.dynamic_update_index_in_dim(t, values[..., None], j, axis=-1)
+
+    t = jax.lax.fori_loop(0, a, column, jnp.zeros(gram.shape, packed.dtype))
+    return order, inverse_order, v, t
+
+
+def _rotate(reflections, sorted_x: jax.Array, transpose: bool) -> jax.Array:
+    """``Q_full^T x`` (``transpose``) or ``Q_full x`` for x (..., n, c) in the sorted row
+    order."""
+    _, _, v, t = reflections
+    if transpose:
+        t = jnp.swapaxes(t, -1, -2)
+    return sorted_x - v @ (t @ (jnp.swapaxes(v, -1, -2) @ sorted_x))
+
+
+def _complement_project(reflections, x: jax.Array) -> jax.Array:
+    """``(I - Q Q^T) x`` for x (..., n, c), by the reflections of
+    :func:`_householder_reflections`: ``Q_full (0_a (+) I) Q_full^T x``, whose rows are
+    accurate relative to the result's own size (no ``x - Q (Q^T x)`` difference). Linear
+    in ``x`` (the reflections are constants)."""
+    order, inverse_order, v, _ = reflections
+    a = v.shape[-1]
+    rotated = _rotate(reflections, jnp.take_along_axis(x, order[..., None], axis=-2), True)
+    rotated = jnp.where(jnp.arange(rotated.shape[-2])[:, None] < a, 0, rotated)
+    rotated = _rotate(reflections, rotated, False)
+    return jnp.take_along_axis(rotated, inverse_order[..., None], axis=-2)
+
+
+def _complement_diagonal(reflections, leverage: jax.Array) -> jax.Array:
+    """``diag(I - Q Q^T)`` (..., n) without cancellation, given the leverages
+    ``h_i = ||Q_i||^2`` (..., n). ``1 - h_i`` loses digits only where ``h_i`` is near 1,
+    and at most m - 1 rows have ``h_i > 1/2`` for m = min(2a, n) (the ``h_i`` sum to a).
+    For the m rows of largest leverage, ``||(Q_full^T e_i)_{a:}||^2``, the squared length
+    of row i of an orthonormal basis of the complement, is summed instead (O(n a^2));
+    every other ``1 - h_i`` is at least 1/2, so the difference is accurate to a few ulps.
+    """
+    order, inverse_order, v, _ = reflections
+    n, a = v.shape[-2:]
+    m = min(2 * a, n)
+    leverage = jnp.take_along_axis(jax.lax.stop_gradient(leverage), order, axis=-1)
+    special = jax.lax.top_k(leverage, m)[1]  # (..., m), sorted coordinates
+    one_hot = (jnp.arange(n)[:, None] == special[..., None, :]).astype(v.dtype)  # (..., n, m)
+    rotated = _rotate(reflections, one_hot, True)  # Q_full^T e_i
+    lengths = jnp.sum(jnp.square(rotated[..., a:, :]), -2)  # (..., m)
+    from_special = jnp.sum(one_hot * lengths[..., None, :], -1)
+    diagonal = jnp.where(jnp.sum(one_hot, -1) > 0, from_special, 1 - leverage)
+    return jnp.take_along_axis(diagonal, inverse_order, axis=-1)
 
 
 def _check_finite(name: str, array: jax.Array) -> None:
@@ -216,15 +311,9 @@ class LinearConstraint:
             self._r_inv_t = r_inv_t
             self._log_det_half = jnp.sum(jnp.log(jnp.abs(jnp.diagonal(r, axis1=-2, axis2=-1))), -1)
             if validate and not_jax_tracer(r):
-                # R1 has the singular values of A (a x a: no n-sized SVD).
-                singular_values = np.linalg.svd(np.asarray(r), compute_uv=False)
-                tolerance = singular_values[..., :1] * n * np.finfo(A.dtype).eps
-                if not np.all(singular_values[..., -1:] > tolerance):
-                    raise ValueError(
-                        f"A must have full row rank {num_rows}; it is rank-deficient (smallest "
-                        f"singular value {singular_values[..., -1].min():.3g}, largest "
-                        f"{singular_values[..., 0].max():.3g})"
-                    )
+                # R1 has the singular values of A (a x a: no n-sized SVD); they are judged
+                # with A's rows scaled to unit length (see constrained_ppl.conditioning).
+                check_full_row_rank(np.asarray(r), n, float(np.finfo(A.dtype).eps))
 
     def tree_flatten(self):
         return (self.A, self._basis_t, self._r_inv_t, self._log_det_half), self._rtol

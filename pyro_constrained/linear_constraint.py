@@ -14,6 +14,8 @@ import math
 
 import torch
 
+from constrained_ppl.conditioning import check_full_row_rank
+
 __all__ = ["DEFAULT_RTOL_ULPS", "LinearConstraint"]
 
 # The default support tolerance, in units of the machine epsilon of the dtype. Evaluating a
@@ -95,6 +97,99 @@ def _row_sorted_qr(tall: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q.index_select(0, inverse_order), r
     q, r = torch.linalg.qr(torch.take_along_dim(tall, order.unsqueeze(-1), dim=-2))
     return torch.take_along_dim(q, inverse_order.unsqueeze(-1), dim=-2), r
+
+
+def _row_sorted_complement(tall: torch.Tensor) -> torch.Tensor:
+    """An orthonormal basis (..., n, n - a) of the orthogonal complement of the range of
+    ``tall`` (..., n, a), full column rank: the last n - a columns of the complete QR
+    factor, with the reflections applied to the rows sorted by decreasing norm as in
+    :func:`_row_sorted_qr`. Without autograd history (the callers differentiate it by
+    hand). Its rows are accurate to a few ulps relative to their own length, also when
+    that length is tiny (a coordinate almost fixed by the constraint), which
+    ``1 - ||Q_i||^2`` is not; a row that the constraint fixes exactly (an ``e_i`` in
+    the range) comes out as exact zeros when the Householder vectors do not mix it."""
+    with torch.no_grad():
+        tall = tall.detach()
+        num_columns = tall.shape[-1]
+        order = torch.sort(torch.linalg.vector_norm(tall, dim=-1), dim=-1, descending=True)
+        inverse_order = torch.sort(order.indices, dim=-1).indices
+        if tall.dim() == 2:
+            q = torch.linalg.qr(tall.index_select(0, order.indices), mode="complete").Q
+            return q.index_select(0, inverse_order)[:, num_columns:]
+        sorted_rows = torch.take_along_dim(tall, order.indices.unsqueeze(-1), dim=-2)
+        q = torch.linalg.qr(sorted_rows, mode="complete").Q
+        return torch.take_along_dim(q, inverse_order.unsqueeze(-1), dim=-2)[..., num_columns:]
+
+
+def _householder_reflections(tall: torch.Tensor):
+    """The complete orthogonal factor ``Q_full`` (n x n) of the row-sorted QR of ``tall``
+    (..., n, a), kept as its Householder reflections: ``(order, inverse_order, packed,
+    tau)`` from ``torch.geqrf`` of the rows sorted by decreasing norm (as
+    :func:`_row_sorted_qr` sorts them). O(n a^2) time and O(n a) memory, without autograd
+    history. ``torch.ormqr`` applies ``Q_full`` or its transpose to c columns in O(n a c),
+    as accurately as the QR itself, so ``I - Q Q^T`` applied that way
+    (:func:`_complement_project`) has no cancellation."""
+    with torch.no_grad():
+        tall = tall.detach()
+        order = torch.sort(torch.linalg.vector_norm(tall, dim=-1), dim=-1, descending=True)
+        order = order.indices
+        inverse_order = torch.sort(order, dim=-1).indices
+        packed, tau = torch.geqrf(torch.take_along_dim(tall, order.unsqueeze(-1), dim=-2))
+        return order, inverse_order, packed, tau
+
+
+def _rotate(reflections, sorted_x: torch.Tensor, transpose: bool) -> torch.Tensor:
+    """``Q_full^T x`` (``transpose``) or ``Q_full x`` for x (..., n, c) in the sorted row
+    order, batch dimensions broadcast."""
+    _, _, packed, tau = reflections
+    batch = torch.broadcast_shapes(sorted_x.shape[:-2], packed.shape[:-2])
+    return torch.ormqr(
+        packed.expand(batch + packed.shape[-2:]),
+        tau.expand(batch + tau.shape[-1:]),
+        sorted_x.expand(batch + sorted_x.shape[-2:]),
+        left=True,
+        transpose=transpose,
+    )
+
+
+def _complement_project(reflections, x: torch.Tensor) -> torch.Tensor:
+    """``(I - Q Q^T) x`` for x (..., n, c), by the reflections of
+    :func:`_householder_reflections`: ``Q_full (0_a (+) I) Q_full^T x``, whose rows are
+    accurate relative to the result's own size (no ``x - Q (Q^T x)`` difference).
+    Differentiable in ``x`` (the reflections are constants)."""
+    order, inverse_order, packed, _ = reflections
+    a = packed.shape[-1]
+    batch = torch.broadcast_shapes(x.shape[:-2], order.shape[:-1])
+    x = x.expand(batch + x.shape[-2:])
+    index = order.expand(batch + order.shape[-1:]).unsqueeze(-1)
+    rotated = _rotate(reflections, torch.take_along_dim(x, index, dim=-2), transpose=True)
+    rotated = torch.cat([torch.zeros_like(rotated[..., :a, :]), rotated[..., a:, :]], -2)
+    rotated = _rotate(reflections, rotated, transpose=False)
+    inverse = inverse_order.expand(batch + inverse_order.shape[-1:]).unsqueeze(-1)
+    return torch.take_along_dim(rotated, inverse, dim=-2)
+
+
+def _complement_diagonal(reflections, leverage: torch.Tensor) -> torch.Tensor:
+    """``diag(I - Q Q^T)`` (..., n) without cancellation, given the leverages
+    ``h_i = ||Q_i||^2`` (..., n). ``1 - h_i`` loses digits only where ``h_i`` is near 1,
+    and at most m - 1 rows have ``h_i > 1/2`` for m = min(2a, n) (the ``h_i`` sum to a).
+    For the m rows of largest leverage, ``||(Q_full^T e_i)_{a:}||^2``, the squared length
+    of row i of an orthonormal basis of the complement, is summed instead (O(n a^2));
+    every other ``1 - h_i`` is at least 1/2, so the difference is accurate to a few ulps.
+    """
+    with torch.no_grad():
+        order, inverse_order, packed, _ = reflections
+        n, a = packed.shape[-2:]
+        m = min(2 * a, n)
+        leverage = torch.take_along_dim(leverage.detach(), order, dim=-1)
+        special = torch.topk(leverage, m, dim=-1).indices  # (..., m), sorted coordinates
+        positions = torch.arange(n, device=packed.device).unsqueeze(-1)
+        one_hot = (positions == special.unsqueeze(-2)).to(packed.dtype)  # (..., n, m)
+        rotated = _rotate(reflections, one_hot, transpose=True)  # Q_full^T e_i
+        lengths = rotated[..., a:, :].square().sum(-2)  # (..., m)
+        from_special = (one_hot * lengths.unsqueeze(-2)).sum(-1)
+        diagonal = torch.where(one_hot.sum(-1) > 0, from_special, 1 - leverage)
+        return torch.take_along_dim(diagonal, inverse_order, dim=-1)
 
 
 def _broadcast_shapes(*shapes) -> torch.Size:
@@ -225,16 +320,11 @@ class LinearConstraint:
         self._abs_A = A.detach().abs()
         self._null_basis_cache = None
         if validate:
-            # R1 has the singular values of A (a x a: no n-sized SVD).
-            with torch.no_grad():
-                singular_values = torch.linalg.svdvals(r)
-            tolerance = singular_values[..., :1] * n * torch.finfo(A.dtype).eps
-            if not bool((singular_values[..., -1:] > tolerance).all()):
-                raise ValueError(
-                    f"A must have full row rank {num_rows}; it is rank-deficient (smallest "
-                    f"singular value {float(singular_values[..., -1].min()):.3g}, largest "
-                    f"{float(singular_values[..., 0].max()):.3g})"
-                )
+            # R1 has the singular values of A (a x a: no n-sized SVD); they are judged with
+            # A's rows scaled to unit length (see constrained_ppl.conditioning).
+            check_full_row_rank(
+                r.detach().to(torch.float64).cpu().numpy(), n, torch.finfo(A.dtype).eps
+            )
 
     def _replace(self, *, rtol: float | None = None, dtype=None, device=None) -> LinearConstraint:
         """A copy sharing the factorisation, with another ``rtol`` or converted (O(n a))."""
