@@ -40,8 +40,8 @@ from numpyro_constrained.linear_constraint import (
     _combine_rows,
     _complement_diagonal,
     _complement_project,
+    _complete_complement,
     _householder_reflections,
-    _row_sorted_complement,
     _row_sorted_qr,
     _rows_times,
     _within_tolerance,
@@ -267,8 +267,8 @@ def _complement_diagonal_of(whitened_t: jax.Array, basis: jax.Array, r_inv_t: ja
     applied by the Householder reflections (no difference). Autodiff of
     ``1 - ||Q_i||^2`` through the QR would lose the digits that the value keeps.
     """
-    reflections = _householder_reflections(whitened_t)
-    return _complement_diagonal(reflections, jnp.sum(jnp.square(basis), -1))
+    leverage = jnp.sum(jnp.square(lax.stop_gradient(basis)), -1)
+    return _complement_diagonal(_householder_reflections(whitened_t, leverage), leverage)
 
 
 @_complement_diagonal_of.defjvp
@@ -276,7 +276,8 @@ def _complement_diagonal_jvp(primals, tangents):
     whitened_t, basis, r_inv_t = primals
     d_whitened_t = tangents[0]
     value = _complement_diagonal_of(whitened_t, basis, r_inv_t)
-    projected = _complement_project(_householder_reflections(whitened_t), d_whitened_t)
+    leverage = jnp.sum(jnp.square(lax.stop_gradient(basis)), -1)
+    projected = _complement_project(_householder_reflections(whitened_t, leverage), d_whitened_t)
     # Zero in value; its derivative with respect to M (through Q) is that of P, which the
     # reflections (constants) do not carry: higher derivatives are then exact as well.
     fixed = lax.stop_gradient(basis)
@@ -313,8 +314,9 @@ def _second_moment_kernel(
     ``Sigma - (L Q)(L Q)^T``. O(n^2 a) (a complete QR).
 
     ``Sigma_bar = L P L^T`` with ``P = I - Q Q^T = N N^T``, ``N`` an orthonormal basis of
-    the complement of range(M), ``M = (A L)^T``, from the complete row-sorted QR
-    (:func:`_row_sorted_complement`). ``Y = L N`` and ``Z = 0`` in value; the derivatives
+    the complement of range(M), ``M = (A L)^T``, from the complete QR
+    (:func:`_complete_complement`, rows in leverage order). ``Y = L N`` and ``Z = 0`` in
+    value; the derivatives
     come from writing ``P`` as a function of ``M`` around ``M0 = stop_gradient(M)``, whose
     basis ``N0`` was computed: with ``D = (M - M0)^T N0`` (zero in value) and
     ``C = R^{-T} D``, the exact identities ``P(M) N0 = N0 - Q C =: N_d`` and
@@ -327,7 +329,8 @@ def _second_moment_kernel(
     whitened_t = _whitened_t(factor, A, diagonal)
     fixed = lax.stop_gradient(whitened_t)
     # The complete QR runs after the reduced one's LAPACK calls (see _after).
-    complement = _row_sorted_complement(_after(fixed, basis_t, r_inv_t))
+    leverage = jnp.sum(jnp.square(lax.stop_gradient(basis_t)), -2)
+    complement = _complete_complement(_after(fixed, basis_t, r_inv_t), leverage)
     coefficients = r_inv_t @ (jnp.swapaxes(whitened_t - fixed, -1, -2) @ complement)
     moved = complement - jnp.swapaxes(basis_t, -1, -2) @ coefficients
     crossed = coefficients @ jnp.swapaxes(moved, -1, -2)

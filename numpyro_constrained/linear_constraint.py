@@ -85,36 +85,59 @@ def _row_sorted_qr(tall: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.take_along_axis(q, inverse_order[..., None], axis=-2), r
 
 
-def _row_sorted_complement(tall: jax.Array) -> jax.Array:
+_LEVERAGE_ORDER_NOTE = """
+    The rows are processed in decreasing order of leverage ``h_i = ||Q_i||^2`` (from the
+    reduced factorisation), not of norm: Householder QR gives rows of the orthogonal
+    factor that are accurate relative to their own length when each reflection's pivot
+    row dominates its column among the remaining rows (Powell and Reid's row pivoting;
+    Cox and Higham 1998). Pre-sorting by norm does not ensure that for the later columns:
+    a row that is small overall but carries a later column (a coordinate that a
+    constraint on small-scale coordinates nearly fixes) then sits behind larger rows, and
+    its row of the complement lost up to 4000 ulps (float64) on a problem of condition 1.
+    The rows of largest leverage are those that carry the column space."""
+
+
+def _leverage_order(tall: jax.Array, leverage: jax.Array):
+    order = jnp.argsort(-jax.lax.stop_gradient(leverage), axis=-1, stable=True)
+    order = jnp.broadcast_to(order, tall.shape[:-1])
+    return order, jnp.argsort(order, axis=-1)
+
+
+def _complete_complement(tall: jax.Array, leverage: jax.Array) -> jax.Array:
     """An orthonormal basis (..., n, n - a) of the orthogonal complement of the range of
     ``tall`` (..., n, a), full column rank: the last n - a columns of the complete QR
-    factor, with the reflections applied to the rows sorted by decreasing norm as in
-    :func:`_row_sorted_qr`. Not differentiated (``stop_gradient``; the callers
-    differentiate it by hand). Its rows are accurate to a few ulps relative to their own
-    length, also when that length is tiny (a coordinate almost fixed by the constraint),
-    which ``1 - ||Q_i||^2`` is not; a row that the constraint fixes exactly (an ``e_i`` in
-    the range) comes out as exact zeros when the Householder vectors do not mix it."""
+    factor, not differentiated (``stop_gradient``; the callers differentiate it by hand);
+    ``leverage`` (..., n) are the leverages ``||Q_i||^2`` of ``tall``'s reduced QR. Its
+    rows are accurate to a few ulps relative to their own length, also when that length
+    is tiny (a coordinate almost fixed by the constraint), which ``1 - ||Q_i||^2`` is
+    not; a row that the constraint fixes exactly comes out as exact zeros when the
+    reflections do not mix it.
+    """
     tall = jax.lax.stop_gradient(tall)
-    order = jnp.argsort(-jnp.linalg.norm(tall, axis=-1), axis=-1)
+    order, inverse_order = _leverage_order(tall, leverage)
     sorted_rows = jnp.take_along_axis(tall, order[..., None], axis=-2)
     q = jnp.linalg.qr(sorted_rows, mode="complete")[0]
-    inverse_order = jnp.argsort(order, axis=-1)
     return jnp.take_along_axis(q, inverse_order[..., None], axis=-2)[..., tall.shape[-1] :]
 
 
-def _householder_reflections(tall: jax.Array):
-    """The complete orthogonal factor ``Q_full`` (n x n) of the row-sorted QR of ``tall``
+_complete_complement.__doc__ += _LEVERAGE_ORDER_NOTE
+
+
+def _householder_reflections(tall: jax.Array, leverage: jax.Array):
+    """The complete orthogonal factor ``Q_full`` (n x n) of the QR of ``tall``
     (..., n, a), kept as its Householder reflections in compact WY form: ``(order,
-    inverse_order, V, T)`` with ``Q_full = I - V T V^T`` in the rows sorted by decreasing
-    norm (as :func:`_row_sorted_qr` sorts them), ``V`` (..., n, a) the unit lower
-    trapezoidal reflection vectors of ``jnp.linalg.qr(mode="raw")`` and ``T`` (..., a, a)
-    upper triangular, accumulated by LAPACK's recursion (``larft``). O(n a^2) time, O(n a)
-    memory, not differentiated (``stop_gradient``). Applying ``Q_full`` or its transpose
-    to c columns costs O(n a c) by matrix products, as accurately as the QR itself, so
-    ``I - Q Q^T`` applied that way (:func:`_complement_project`) has no cancellation."""
+    inverse_order, V, T)`` with ``Q_full = I - V T V^T`` in the row order of
+    :func:`_leverage_order` (``leverage`` (..., n) as in :func:`_complete_complement`),
+    ``V`` (..., n, a) the unit lower trapezoidal reflection vectors of
+    ``jnp.linalg.qr(mode="raw")`` and ``T`` (..., a, a) upper triangular, accumulated by
+    LAPACK's recursion (``larft``; the inverse of ``triu(V^T V, 1) + diag(1 / tau)``
+    differs from it by an ulp, which cost 100 ulps in the rows of the complement). O(n a^2)
+    time, O(n a) memory, not differentiated (``stop_gradient``). Applying ``Q_full`` or its
+    transpose to c columns costs O(n a c) by matrix products, as accurately as the QR
+    itself, so ``I - Q Q^T`` applied that way (:func:`_complement_project`) has no
+    cancellation."""
     tall = jax.lax.stop_gradient(tall)
-    order = jnp.argsort(-jnp.linalg.norm(tall, axis=-1), axis=-1)
-    inverse_order = jnp.argsort(order, axis=-1)
+    order, inverse_order = _leverage_order(tall, leverage)
     packed, tau = jnp.linalg.qr(jnp.take_along_axis(tall, order[..., None], axis=-2), mode="raw")
     packed = jnp.swapaxes(packed, -1, -2)  # LAPACK's layout, (..., n, a)
     n, a = packed.shape[-2:]
@@ -133,6 +156,9 @@ def _householder_reflections(tall: jax.Array):
 
     t = jax.lax.fori_loop(0, a, column, jnp.zeros(gram.shape, packed.dtype))
     return order, inverse_order, v, t
+
+
+_householder_reflections.__doc__ += _LEVERAGE_ORDER_NOTE
 
 
 def _rotate(reflections, sorted_x: jax.Array, transpose: bool) -> jax.Array:

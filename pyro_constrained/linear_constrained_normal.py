@@ -33,8 +33,8 @@ from pyro_constrained.linear_constraint import (
     _combine_rows,
     _complement_diagonal,
     _complement_project,
+    _complete_complement,
     _householder_reflections,
-    _row_sorted_complement,
     _row_sorted_qr,
     _rows_times,
 )
@@ -318,8 +318,8 @@ class _ComplementDiagonal(torch.autograd.Function):
 
     @staticmethod
     def forward(whitened_t, basis, r_inv_t):
-        reflections = _householder_reflections(whitened_t)
-        return _complement_diagonal(reflections, basis.detach().square().sum(-1))
+        leverage = basis.detach().square().sum(-1)
+        return _complement_diagonal(_householder_reflections(whitened_t, leverage), leverage)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -329,7 +329,8 @@ class _ComplementDiagonal(torch.autograd.Function):
     def backward(ctx, grad):
         whitened_t, basis, r_inv_t = ctx.saved_tensors
         weights = grad.unsqueeze(-1) * (basis @ r_inv_t)  # diag(g) Q R^{-T}
-        projected = _complement_project(_householder_reflections(whitened_t), weights)
+        reflections = _householder_reflections(whitened_t, basis.detach().square().sum(-1))
+        projected = _complement_project(reflections, weights)
         if torch.is_grad_enabled():
             # The derivative of P itself, for second derivatives (its value is zero here).
             fixed = weights.detach()
@@ -755,8 +756,9 @@ class LinearConstrainedNormal(TorchDistribution):
         ``Sigma - (L Q)(L Q)^T``.
 
         ``Sigma_bar = L P L^T`` with ``P = I - Q Q^T = N N^T``, ``N`` an orthonormal basis
-        of the complement of range(M), ``M = (A L)^T``, from the complete row-sorted QR
-        (:func:`_row_sorted_complement`). ``Y = L N`` and ``Z = 0`` in value; the
+        of the complement of range(M), ``M = (A L)^T``, from the complete QR
+        (:func:`_complete_complement`, rows in leverage order). ``Y = L N`` and ``Z = 0`` in
+        value; the
         derivatives come from writing ``P`` as a function of ``M`` around the detached
         ``M0`` whose basis ``N0`` was computed: with ``D = (M - M0)^T N0`` (zero in value)
         and ``C = R^{-T} D``, the exact identities ``P(M) N0 = N0 - Q C =: N_d`` and
@@ -768,8 +770,8 @@ class LinearConstrainedNormal(TorchDistribution):
         """
         whitened_t = self._whitened_t()
         fixed = whitened_t.detach()
-        complement = _row_sorted_complement(fixed)
         basis_t, r_inv_t = self._basis_t, self._r_inv_t
+        complement = _complete_complement(fixed, basis_t.detach().square().sum(-2))
         coefficients = r_inv_t @ ((whitened_t - fixed).mT @ complement)  # C, zero-valued
         moved = complement - basis_t.mT @ coefficients  # N_d
         crossed = coefficients @ moved.mT  # C N_d^T, (..., a, n)
