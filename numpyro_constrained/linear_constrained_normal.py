@@ -39,9 +39,7 @@ from numpyro_constrained.linear_constraint import (
     _check_rtol,
     _combine_rows,
     _complement_diagonal,
-    _complement_project,
     _complete_complement,
-    _householder_reflections,
     _row_sorted_qr,
     _rows_times,
     _within_tolerance,
@@ -255,49 +253,15 @@ def _whitened_t(factor: jax.Array, A: jax.Array, diagonal: bool) -> jax.Array:
     return jnp.swapaxes(factor, -1, -2) @ jnp.swapaxes(A, -1, -2)
 
 
-@jax.custom_jvp
-def _complement_diagonal_of(whitened_t: jax.Array, basis: jax.Array, r_inv_t: jax.Array):
-    r"""``diag(I - Q Q^T)`` for ``M = Q R`` (``M = (A L)^T``, (..., n, a)), accurate to a
-    few ulps relative to each entry (:func:`_complement_diagonal`), with a derivative that
-    keeps that accuracy: O(n a^2) time, O(n a) memory.
-
-    Inputs: ``M`` and its factors ``Q`` (..., n, a) and ``R^{-T}``; the value depends on
-    ``M`` alone. With ``P = I - Q Q^T`` and ``M^+ = R^{-1} Q^T``,
-    ``dP = -(P dM M^+ + (M^+)^T dM^T P)``, so ``d P_ii = -2 (P dM M^+)_ii``, with ``P dM``
-    applied by the Householder reflections (no difference). Autodiff of
-    ``1 - ||Q_i||^2`` through the QR would lose the digits that the value keeps.
-    """
-    leverage = jnp.sum(jnp.square(lax.stop_gradient(basis)), -1)
-    return _complement_diagonal(_householder_reflections(whitened_t, leverage), leverage)
-
-
-@_complement_diagonal_of.defjvp
-def _complement_diagonal_jvp(primals, tangents):
-    whitened_t, basis, r_inv_t = primals
-    d_whitened_t = tangents[0]
-    value = _complement_diagonal_of(whitened_t, basis, r_inv_t)
-    leverage = jnp.sum(jnp.square(lax.stop_gradient(basis)), -1)
-    projected = _complement_project(_householder_reflections(whitened_t, leverage), d_whitened_t)
-    # Zero in value; its derivative with respect to M (through Q) is that of P, which the
-    # reflections (constants) do not carry: higher derivatives are then exact as well.
-    fixed = lax.stop_gradient(basis)
-    projected = projected + (
-        fixed @ (jnp.swapaxes(fixed, -1, -2) @ d_whitened_t)
-        - basis @ (jnp.swapaxes(basis, -1, -2) @ d_whitened_t)
-    )
-    tangent = -2 * jnp.sum(projected * (basis @ r_inv_t), -1)
-    return value, tangent
-
-
 @jax.jit
 def _diagonal_variance_kernel(
     scale: jax.Array, A: jax.Array, basis_t: jax.Array, r_inv_t: jax.Array
 ) -> jax.Array:
-    """``diag Sigma_bar = scale^2 diag(I - Q Q^T)`` (see :func:`_complement_diagonal_of`)."""
+    """``diag Sigma_bar = scale^2 diag(I - Q Q^T)`` (see :func:`_complement_diagonal`)."""
     whitened_t = _whitened_t(scale, A, True)
-    # The reflections' QR runs after the reduced one's LAPACK calls (see _after).
+    # Its QRs run after the reduced one's LAPACK calls (see _after).
     whitened_t = _after(whitened_t, basis_t, r_inv_t)
-    complement = _complement_diagonal_of(whitened_t, jnp.swapaxes(basis_t, -1, -2), r_inv_t)
+    complement = _complement_diagonal(whitened_t, jnp.swapaxes(basis_t, -1, -2))
     return jnp.square(scale) * complement
 
 
@@ -991,9 +955,9 @@ class LinearConstrainedNormal(Distribution):
         is taken, so each variance is accurate to a few ulps times the conditioning
         relative to itself, and a coordinate that the constraint fixes gets zero up to the
         rounding of the basis (exactly zero when its row of ``A`` is a unit vector). With a
-        diagonal scale the lengths come from the Householder reflections of the whitened
-        QR (:func:`_complement_diagonal_of`, O(n a^2) time and O(n a) memory); with a full
-        covariance from the complete QR, O(n^2 a)."""
+        diagonal scale, ``scale^2 diag(I - Q Q^T)`` by :func:`_complement_diagonal`
+        (leave-one-out factorisations for the rows of high leverage: O(n a^3) time,
+        O(n a^2) memory); with a full covariance from the complete QR, O(n^2 a)."""
         return jnp.broadcast_to(self._variance(), self.batch_shape + self.event_shape)
 
     def _variance(self) -> jax.Array:

@@ -32,9 +32,7 @@ from pyro_constrained.linear_constraint import (
     _check_rtol,
     _combine_rows,
     _complement_diagonal,
-    _complement_project,
     _complete_complement,
-    _householder_reflections,
     _row_sorted_qr,
     _rows_times,
 )
@@ -296,47 +294,6 @@ class _ProjectedLogDensity(torch.autograd.Function):
                 d_loc * (2 * whitened - projected), grad.unsqueeze(-1), (leverage - 1) / scale
             ).sum_to_size(scale.shape)
         return grad_value, grad_loc, grad_scale, None, None, None, None
-
-
-class _ComplementDiagonal(torch.autograd.Function):
-    r"""``diag(I - Q Q^T)`` for ``M = Q R`` (``M = (A L)^T``, (..., n, a)), accurate to a
-    few ulps relative to each entry (:func:`_complement_diagonal`), with a hand-written
-    backward that keeps that accuracy: O(n a^2) time, O(n a) memory.
-
-    Inputs: ``M`` and its recorded factors ``Q`` (..., n, a) and ``R^{-T}``; the value
-    depends on ``M`` alone. With ``P = I - Q Q^T`` and ``M^+ = R^{-1} Q^T``,
-    ``dP = -(P dM M^+ + (M^+)^T dM^T P)``, so ``d P_ii = -2 (P dM M^+)_ii`` and the
-    gradient with respect to ``M`` of ``sum_i g_i P_ii`` is ``-2 P diag(g) Q R^{-T}``,
-    with ``P`` applied by the Householder reflections (no difference). Autograd of
-    ``1 - ||Q_i||^2`` through the QR would lose the digits that the value keeps.
-    Second derivatives (``create_graph=True``): autograd differentiates this backward,
-    through ``Q`` and ``R^{-T}`` and through ``P`` written as ``X - Q (Q^T X)`` (whose
-    value is replaced by the accurate one), so they are exact in exact arithmetic.
-    """
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(whitened_t, basis, r_inv_t):
-        leverage = basis.detach().square().sum(-1)
-        return _complement_diagonal(_householder_reflections(whitened_t, leverage), leverage)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs)
-
-    @staticmethod
-    def backward(ctx, grad):
-        whitened_t, basis, r_inv_t = ctx.saved_tensors
-        weights = grad.unsqueeze(-1) * (basis @ r_inv_t)  # diag(g) Q R^{-T}
-        reflections = _householder_reflections(whitened_t, basis.detach().square().sum(-1))
-        projected = _complement_project(reflections, weights)
-        if torch.is_grad_enabled():
-            # The derivative of P itself, for second derivatives (its value is zero here).
-            fixed = weights.detach()
-            recorded = fixed - basis @ (basis.mT @ fixed)
-            projected = projected + (recorded - recorded.detach())
-        return (-2 * projected).sum_to_size(whitened_t.shape), None, None
 
 
 class LinearConstrainedNormal(TorchDistribution):
@@ -846,17 +803,16 @@ class LinearConstrainedNormal(TorchDistribution):
         difference is taken, so each variance is accurate to a few ulps times the
         conditioning relative to itself, and a coordinate that the constraint fixes gets
         zero up to the rounding of the basis (exactly zero when its row of ``A`` is a unit
-        vector). With a diagonal scale the lengths come from the Householder reflections
-        of the whitened QR (:class:`_ComplementDiagonal`, O(n a^2) time and O(n a)
-        memory); with a full covariance from the complete QR, O(n^2 a)."""
+        vector). With a diagonal scale, ``scale^2 diag(I - Q Q^T)`` by
+        :func:`_complement_diagonal` (leave-one-out factorisations for the rows of high
+        leverage: O(n a^3) time, O(n a^2) memory); with a full covariance from the
+        complete QR, O(n^2 a)."""
         return self._variance().expand(self.batch_shape + self.event_shape)
 
     def _variance(self) -> torch.Tensor:
         """:attr:`variance` before broadcasting to the batch shape."""
         if self._diagonal:
-            complement = _ComplementDiagonal.apply(
-                self._whitened_t(), self._basis_t.mT, self._r_inv_t
-            )
+            complement = _complement_diagonal(self._whitened_t(), self._basis_t.mT)
             return self.scale.square() * complement
         factor, correction = self._second_moment_factors
         return factor.square().sum(-1) + correction.square().sum(-2)
