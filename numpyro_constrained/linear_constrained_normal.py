@@ -21,6 +21,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpyro
 from jax import lax
 from numpyro.distributions import Distribution, Normal, constraints
 from numpyro.distributions.batch_util import _default_vmap_over, promote_batch_shape, vmap_over
@@ -29,6 +30,7 @@ from numpyro.distributions.transforms import Transform, biject_to
 from numpyro.util import not_jax_tracer
 
 from constrained_ppl.arguments import check_value_shape, keyword_only
+from constrained_ppl.conditioning import warn_if_unresolvable
 from numpyro_constrained._repr import parameters_repr
 from numpyro_constrained.linear_constraint import (
     LinearConstraint,
@@ -36,6 +38,8 @@ from numpyro_constrained.linear_constraint import (
     _check_finite,
     _check_rtol,
     _combine_rows,
+    _complement_diagonal,
+    _complete_complement,
     _row_sorted_qr,
     _rows_times,
     _within_tolerance,
@@ -242,11 +246,61 @@ def _refine(
     return z + _rows_times(factor, direction)
 
 
-def _factor_basis_t(basis_t: jax.Array, factor: jax.Array, diagonal: bool) -> jax.Array:
-    """``(L Q)^T`` (..., a, n): ``L Q`` spans the directions the constraint removes."""
+def _whitened_t(factor: jax.Array, A: jax.Array, diagonal: bool) -> jax.Array:
+    """``(A L)^T`` (..., n, a)."""
     if diagonal:
-        return basis_t * factor[..., None, :]
-    return basis_t @ jnp.swapaxes(factor, -1, -2)
+        return factor[..., :, None] * jnp.swapaxes(A, -1, -2)
+    return jnp.swapaxes(factor, -1, -2) @ jnp.swapaxes(A, -1, -2)
+
+
+@jax.jit
+def _diagonal_variance_kernel(
+    scale: jax.Array, A: jax.Array, basis_t: jax.Array, r_inv_t: jax.Array
+) -> jax.Array:
+    """``diag Sigma_bar = scale^2 diag(I - Q Q^T)`` (see :func:`_complement_diagonal`)."""
+    whitened_t = _whitened_t(scale, A, True)
+    # Its QRs run after the reduced one's LAPACK calls (see _after).
+    whitened_t = _after(whitened_t, basis_t, r_inv_t)
+    complement = _complement_diagonal(whitened_t, jnp.swapaxes(basis_t, -1, -2))
+    return jnp.square(scale) * complement
+
+
+@partial(jax.jit, static_argnames=("diagonal",))
+def _second_moment_kernel(
+    factor: jax.Array,
+    A: jax.Array,
+    basis_t: jax.Array,
+    r_inv_t: jax.Array,
+    diagonal: bool,
+) -> tuple[jax.Array, jax.Array]:
+    r"""``(Y, Z)``, (..., n, n - a) and (..., a, n), with ``Sigma_bar = Y Y^T + Z^T Z``:
+    the second moments as sums of squares, without the cancellation of
+    ``Sigma - (L Q)(L Q)^T``. O(n^2 a) (a complete QR).
+
+    ``Sigma_bar = L P L^T`` with ``P = I - Q Q^T = N N^T``, ``N`` an orthonormal basis of
+    the complement of range(M), ``M = (A L)^T``, from the complete QR
+    (:func:`_complete_complement`, rows in leverage order). ``Y = L N`` and ``Z = 0`` in
+    value; the derivatives
+    come from writing ``P`` as a function of ``M`` around ``M0 = stop_gradient(M)``, whose
+    basis ``N0`` was computed: with ``D = (M - M0)^T N0`` (zero in value) and
+    ``C = R^{-T} D``, the exact identities ``P(M) N0 = N0 - Q C =: N_d`` and
+    ``N_d^T N_d = I - C^T C`` give ``P = N_d (I - C^T C)^{-1} N_d^T
+    = N_d N_d^T + (C N_d^T)^T (C N_d^T) + O(|M - M0|^4)``, differentiable through the
+    reduced QR (``basis_t`` = Q^T, ``r_inv_t`` = R^{-T}) alone. So ``Y = L N_d`` and
+    ``Z = C N_d^T L^T``: values exact to the basis' rounding, first to third derivatives
+    exact.
+    """
+    whitened_t = _whitened_t(factor, A, diagonal)
+    fixed = lax.stop_gradient(whitened_t)
+    # The complete QR runs after the reduced one's LAPACK calls (see _after).
+    leverage = jnp.sum(jnp.square(lax.stop_gradient(basis_t)), -2)
+    complement = _complete_complement(_after(fixed, basis_t, r_inv_t), leverage)
+    coefficients = r_inv_t @ (jnp.swapaxes(whitened_t - fixed, -1, -2) @ complement)
+    moved = complement - jnp.swapaxes(basis_t, -1, -2) @ coefficients
+    crossed = coefficients @ jnp.swapaxes(moved, -1, -2)
+    if diagonal:
+        return factor[..., :, None] * moved, crossed * factor[..., None, :]
+    return factor @ moved, crossed @ jnp.swapaxes(factor, -1, -2)
 
 
 @partial(jax.jit, static_argnames=("diagonal",))
@@ -263,12 +317,11 @@ def _precompute(
     ``factor`` is the standard deviations (diagonal) or the lower Cholesky factor L of Sigma;
     ``log_det_a_half`` is ``1/2 log det(A A^T)`` from the :class:`LinearConstraint`.
     """
+    whitened_t = _whitened_t(factor, A, diagonal)
     if diagonal:
-        whitened_t = factor[..., :, None] * jnp.swapaxes(A, -1, -2)  # (A L)^T, (..., n, a)
         log_det_sigma_half = jnp.sum(jnp.log(factor), -1)
         prior_variance = jnp.square(factor)
     else:
-        whitened_t = jnp.swapaxes(factor, -1, -2) @ jnp.swapaxes(A, -1, -2)
         log_det_sigma_half = jnp.sum(jnp.log(jnp.diagonal(factor, axis1=-2, axis2=-1)), -1)
         prior_variance = jnp.sum(jnp.square(factor), -1)
     basis, r_factor = _row_sorted_qr(whitened_t)
@@ -296,6 +349,8 @@ def _precompute(
             - log_det_a_half
             - 0.5 * (n - num_rows) * math.log(2 * math.pi)
         ),
+        # Not a leaf: for the conditioning check at construction (popped there).
+        "r_factor": r_factor,
     }
 
 
@@ -633,6 +688,14 @@ class LinearConstrainedNormal(Distribution):
         self.grad_estimator = grad_estimator
         super().__init__(batch_shape, (n,), validate_args=validate_args)
         cached = _precompute(factor, self.A, constraint._log_det_half, diagonal=self._diagonal)
+        r_factor = cached.pop("r_factor")
+        if validate and not_jax_tracer(r_factor):
+            warn_if_unresolvable(
+                np.asarray(r_factor),
+                float(jnp.finfo(r_factor.dtype).eps),
+                str(r_factor.dtype),
+                (__file__, numpyro.__file__, jax.__file__),
+            )
         for name, value in cached.items():
             setattr(self, name, value)
         self._leaf_batch_ndims = self._batch_ndims_of_leaves()
@@ -880,20 +943,45 @@ class LinearConstrainedNormal(Distribution):
     def mode(self) -> jax.Array:
         return self._mean
 
+    def _second_moment_factors(self) -> tuple[jax.Array, jax.Array]:
+        """``(Y, Z)`` with ``Sigma_bar = Y Y^T + Z^T Z`` (see :func:`_second_moment_kernel`)."""
+        return _second_moment_kernel(
+            self._factor, self.A, self._basis_t, self._r_inv_t, diagonal=self._diagonal
+        )
+
     @property
     def variance(self) -> jax.Array:
-        """``diag Sigma_bar = diag Sigma - ||(L Q)_i||^2``, O(n a), clamped at 0."""
-        factor_basis_t = _factor_basis_t(self._basis_t, self._factor, self._diagonal)
-        variance = self._prior_variance - jnp.sum(jnp.square(factor_basis_t), -2)
-        return jnp.broadcast_to(jnp.maximum(variance, 0), self.batch_shape + self.event_shape)
+        """``diag Sigma_bar``, the squared row lengths of ``L N`` (``N`` an orthonormal
+        basis of the whitened null space; see :func:`_second_moment_kernel`): no difference
+        is taken, so each variance is accurate to a few ulps times the conditioning
+        relative to itself, and a coordinate that the constraint fixes gets zero up to the
+        rounding of the basis (exactly zero when its row of ``A`` is a unit vector). With a
+        diagonal scale, ``scale^2 diag(I - Q Q^T)`` by :func:`_complement_diagonal`
+        (leave-one-out factorisations for the rows of high leverage: O(n a^3) time,
+        O(n a^2) memory); with a full covariance from the complete QR, O(n^2 a)."""
+        return jnp.broadcast_to(self._variance(), self.batch_shape + self.event_shape)
+
+    def _variance(self) -> jax.Array:
+        """:attr:`variance` before broadcasting to the batch shape."""
+        if self._diagonal:
+            return _diagonal_variance_kernel(self._factor, self.A, self._basis_t, self._r_inv_t)
+        factor, correction = self._second_moment_factors()
+        return jnp.sum(jnp.square(factor), -1) + jnp.sum(jnp.square(correction), -2)
+
+    @property
+    def stddev(self) -> jax.Array:
+        """``sqrt(variance)``, with a zero gradient (not NaN) where the variance is exactly
+        zero: there the constraint fixes the coordinate, so it stays zero nearby."""
+        variance = self.variance
+        positive = variance > 0
+        return jnp.where(positive, jnp.sqrt(jnp.where(positive, variance, 1.0)), 0.0)
 
     @property
     def covariance_matrix(self) -> jax.Array:
-        """The conditional covariance ``Sigma_bar = L L^T - (L Q)(L Q)^T`` (n x n, rank
-        n - a): forms an n x n matrix."""
-        factor_basis_t = _factor_basis_t(self._basis_t, self._factor, self._diagonal)
-        sigma = self.scale_tril @ jnp.swapaxes(self.scale_tril, -1, -2)
-        bar = sigma - jnp.swapaxes(factor_basis_t, -1, -2) @ factor_basis_t
+        """The conditional covariance ``Sigma_bar = (L N)(L N)^T`` (n x n, rank n - a, see
+        :attr:`variance`): forms an n x n matrix."""
+        factor, correction = self._second_moment_factors()
+        bar = factor @ jnp.swapaxes(factor, -1, -2) + jnp.swapaxes(correction, -1, -2) @ correction
         bar = 0.5 * (bar + jnp.swapaxes(bar, -1, -2))
         return jnp.broadcast_to(bar, self.batch_shape + self.event_shape + self.event_shape)
 
@@ -904,7 +992,7 @@ class LinearConstrainedNormal(Distribution):
         A coordinate that the constraint fixes has standard deviation 0, which ``Normal``
         rejects, so the result is built without argument validation.
         """
-        return Normal(self.mean, jnp.sqrt(self.variance), validate_args=False)
+        return Normal(self.mean, self.stddev, validate_args=False)
 
     def entropy(self) -> jax.Array:
         """``H = (n - a)/2 (1 + log 2 pi) + 1/2 log det Sigma - 1/2 log det S
@@ -1106,50 +1194,42 @@ def _kl_linear_constrained_normal(
 
     ``E_p[(z - mu_bar_q)^T Sigma_q^{-1} (z - mu_bar_q)] = tr(Sigma_q^{-1} Sigma_bar_p)
     + (mu_bar_p - mu_bar_q)^T Sigma_q^{-1} (mu_bar_p - mu_bar_q)``, where, with
-    ``Sigma_bar_p = L_p L_p^T - (L_p Q_p)(L_p Q_p)^T``,
-    ``tr(Sigma_q^{-1} Sigma_bar_p) = ||L_q^{-1} L_p||_F^2 - ||L_q^{-1} L_p Q_p||_F^2``:
-    O(n a) when both covariances are diagonal, O(n^3) otherwise. That A and k agree is
+    ``Sigma_bar_p = (L_p N_p)(L_p N_p)^T`` (see ``variance``),
+    ``tr(Sigma_q^{-1} Sigma_bar_p) = ||L_q^{-1} L_p N_p||_F^2``, a sum of squares:
+    ``sum_i Sigma_bar_p,ii / s_q,i^2`` when q's covariance is diagonal (O(n a^2) when p's
+    is too), O(n^3) otherwise. That A and k agree is
     checked when they are concrete; under ``jit`` it cannot be.
     """
     _same_constraint(p, q)
     mean_diff = p.mean - q.mean
-    p_factor_basis_t = _factor_basis_t(p._basis_t, p._factor, p._diagonal)
-    if p._diagonal and q._diagonal:
+    if q._diagonal:
         q_variance = jnp.square(q.scale)
-        trace = jnp.sum(p._prior_variance / q_variance, -1) - jnp.sum(
-            jnp.square(p_factor_basis_t) / q_variance[..., None, :], (-2, -1)
-        )
+        trace = jnp.sum(p._variance() / q_variance, -1)
         maha = jnp.sum(jnp.square(mean_diff) / q_variance, -1)
     else:
+        p_factor, p_correction = p._second_moment_factors()
         q_tril = q.scale_tril
-
-        def whiten(matrix: jax.Array) -> jax.Array:
-            batch = jnp.broadcast_shapes(q_tril.shape[:-2], matrix.shape[:-2])
-            return jax.scipy.linalg.solve_triangular(
-                jnp.broadcast_to(q_tril, batch + q_tril.shape[-2:]),
-                jnp.broadcast_to(matrix, batch + matrix.shape[-2:]),
-                lower=True,
-            )
-
         # One triangular solve for the three right-hand sides: independent batched solves
         # may run at once and deadlock (see _after).
-        p_tril = jnp.broadcast_to(
-            p.scale_tril, p_factor_basis_t.shape[:-2] + p.scale_tril.shape[-2:]
+        right = jnp.broadcast_shapes(
+            p_factor.shape[:-2], p_correction.shape[:-2], mean_diff.shape[:-1]
         )
-        right = jnp.broadcast_shapes(p_tril.shape[:-2], mean_diff.shape[:-1])
+        n = mean_diff.shape[-1]
         columns = [
-            jnp.broadcast_to(p_tril, right + p_tril.shape[-2:]),
+            jnp.broadcast_to(p_factor, right + p_factor.shape[-2:]),
             jnp.broadcast_to(
-                jnp.swapaxes(p_factor_basis_t, -1, -2),
-                right + p_factor_basis_t.shape[-1:] + p_factor_basis_t.shape[-2:-1],
+                jnp.swapaxes(p_correction, -1, -2), right + (n, p_correction.shape[-2])
             ),
-            jnp.broadcast_to(mean_diff[..., None], right + mean_diff.shape[-1:] + (1,)),
+            jnp.broadcast_to(mean_diff[..., None], right + (n, 1)),
         ]
-        whitened = whiten(jnp.concatenate(columns, -1))
-        n = p_tril.shape[-1]
-        trace = jnp.sum(jnp.square(whitened[..., :n]), (-2, -1)) - jnp.sum(
-            jnp.square(whitened[..., n:-1]), (-2, -1)
+        stacked = jnp.concatenate(columns, -1)
+        batch = jnp.broadcast_shapes(q_tril.shape[:-2], stacked.shape[:-2])
+        whitened = jax.scipy.linalg.solve_triangular(
+            jnp.broadcast_to(q_tril, batch + q_tril.shape[-2:]),
+            jnp.broadcast_to(stacked, batch + stacked.shape[-2:]),
+            lower=True,
         )
+        trace = jnp.sum(jnp.square(whitened[..., :-1]), (-2, -1))
         maha = jnp.sum(jnp.square(whitened[..., -1]), -1)
     cross_entropy = 0.5 * (trace + maha) - q._log_normalizer
     return cross_entropy - p.entropy()

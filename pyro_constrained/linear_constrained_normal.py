@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+import pyro
 import torch
 from pyro.distributions import Normal, TorchDistribution
 from torch.distributions import biject_to, constraints, transform_to
@@ -21,6 +22,7 @@ from torch.distributions.transforms import Transform
 from torch.distributions.utils import _standard_normal, lazy_property
 
 from constrained_ppl.arguments import check_value_shape, keyword_only
+from constrained_ppl.conditioning import warn_if_unresolvable
 from pyro_constrained._repr import parameters_repr
 from pyro_constrained.linear_constraint import (
     LinearConstraint,
@@ -29,6 +31,8 @@ from pyro_constrained.linear_constraint import (
     _check_finite,
     _check_rtol,
     _combine_rows,
+    _complement_diagonal,
+    _complete_complement,
     _row_sorted_qr,
     _rows_times,
 )
@@ -612,19 +616,32 @@ class LinearConstrainedNormal(TorchDistribution):
         ``log N(k; A loc, S)``. ``1/2 log det S = sum log|R_ii|`` and
         ``1/2 log det(A A^T) = sum log|R'_ii|`` (the constraint's).
         """
-        A = self.A
+        whitened_t = self._whitened_t()
         if self._diagonal:
-            whitened_t = self.scale.unsqueeze(-1) * A.mT  # (A L)^T, (..., n, a)
             log_det_sigma_half = self.scale.log().sum(-1)
         else:
-            whitened_t = self.scale_tril.mT @ A.mT
             log_det_sigma_half = self.scale_tril.diagonal(dim1=-2, dim2=-1).log().sum(-1)
         basis, r_factor = _row_sorted_qr(whitened_t)
+        if self._validate_args and not self.__dict__.get("_precision_checked", False):
+            # Once per distribution (the factorisation may run twice: recorded and detached).
+            self.__dict__["_precision_checked"] = True
+            warn_if_unresolvable(
+                r_factor.detach().to(torch.float64).cpu().numpy(),
+                torch.finfo(r_factor.dtype).eps,
+                str(r_factor.dtype).removeprefix("torch."),
+                (__file__, torch.__file__, pyro.__file__),
+            )
         log_normalizer = (
             r_factor.diagonal(dim1=-2, dim2=-1).abs().log().sum(-1) - log_det_sigma_half
         ) + self._constraint._log_density_offset
         basis_t = basis.mT  # Q^T; contiguous when batched, for the batched products
         return (basis_t.contiguous() if basis_t.dim() > 2 else basis_t), r_factor, log_normalizer
+
+    def _whitened_t(self) -> torch.Tensor:
+        """``(A L)^T`` (..., n, a), recorded."""
+        if self._diagonal:
+            return self.scale.unsqueeze(-1) * self.A.mT
+        return self.scale_tril.mT @ self.A.mT
 
     # The factorisation is computed on first use, not at construction: a training step
     # scores with log_prob, whose diagonal-scale path (_ProjectedLogDensity) factorises the
@@ -690,11 +707,35 @@ class LinearConstrainedNormal(TorchDistribution):
         """``mu_bar``, computed on first use: the NLL (``log_prob``) does not need it."""
         return self._refine(self._refine(self.loc))
 
-    def _factor_basis_t(self) -> torch.Tensor:
-        """``(L Q)^T`` (..., a, n): ``L Q`` spans the directions the constraint removes."""
+    @lazy_property
+    def _second_moment_factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        r"""``(Y, Z)``, (..., n, n - a) and (..., a, n), with ``Sigma_bar = Y Y^T + Z^T Z``:
+        the second moments as sums of squares, without the cancellation of
+        ``Sigma - (L Q)(L Q)^T``.
+
+        ``Sigma_bar = L P L^T`` with ``P = I - Q Q^T = N N^T``, ``N`` an orthonormal basis
+        of the complement of range(M), ``M = (A L)^T``, from the complete QR
+        (:func:`_complete_complement`, rows in leverage order). ``Y = L N`` and ``Z = 0`` in
+        value; the
+        derivatives come from writing ``P`` as a function of ``M`` around the detached
+        ``M0`` whose basis ``N0`` was computed: with ``D = (M - M0)^T N0`` (zero in value)
+        and ``C = R^{-T} D``, the exact identities ``P(M) N0 = N0 - Q C =: N_d`` and
+        ``N_d^T N_d = I - C^T C`` give ``P = N_d (I - C^T C)^{-1} N_d^T
+        = N_d N_d^T + (C N_d^T)^T (C N_d^T) + O(|M - M0|^4)``, differentiable through the
+        reduced QR (Q, R) alone (torch has no derivative of the complete QR). So
+        ``Y = L N_d``, ``Z = C N_d^T L^T``: values exact to the basis' rounding, first to
+        third derivatives exact.
+        """
+        whitened_t = self._whitened_t()
+        fixed = whitened_t.detach()
+        basis_t, r_inv_t = self._basis_t, self._r_inv_t
+        complement = _complete_complement(fixed, basis_t.detach().square().sum(-2))
+        coefficients = r_inv_t @ ((whitened_t - fixed).mT @ complement)  # C, zero-valued
+        moved = complement - basis_t.mT @ coefficients  # N_d
+        crossed = coefficients @ moved.mT  # C N_d^T, (..., a, n)
         if self._diagonal:
-            return self._basis_t * self.scale.unsqueeze(-2)
-        return self._basis_t @ self.scale_tril.mT
+            return self.scale.unsqueeze(-1) * moved, crossed * self.scale.unsqueeze(-2)
+        return self.scale_tril @ moved, crossed @ self.scale_tril.mT
 
     def _refine(self, z: torch.Tensor) -> torch.Tensor:
         """``z + K (k - A z)`` with ``K = L Q R^{-T}``: the Sigma^{-1}-orthogonal projection
@@ -758,16 +799,39 @@ class LinearConstrainedNormal(TorchDistribution):
 
     @property
     def variance(self) -> torch.Tensor:
-        """``diag Sigma_bar = diag Sigma - ||(L Q)_i||^2``, O(n a), clamped at 0."""
-        variance = self._prior_variance - self._factor_basis_t().square().sum(-2)
-        return variance.clamp(min=0).expand(self.batch_shape + self.event_shape)
+        """``diag Sigma_bar``, the squared row lengths of ``L N`` (``N`` an orthonormal
+        basis of the whitened null space; see :attr:`_second_moment_factors`): no
+        difference is taken, so each variance is accurate to a few ulps times the
+        conditioning relative to itself, and a coordinate that the constraint fixes gets
+        zero up to the rounding of the basis (exactly zero when its row of ``A`` is a unit
+        vector). With a diagonal scale, ``scale^2 diag(I - Q Q^T)`` by
+        :func:`_complement_diagonal` (leave-one-out factorisations for the rows of high
+        leverage: O(n a^3) time, O(n a^2) memory); with a full covariance from the
+        complete QR, O(n^2 a)."""
+        return self._variance().expand(self.batch_shape + self.event_shape)
+
+    def _variance(self) -> torch.Tensor:
+        """:attr:`variance` before broadcasting to the batch shape."""
+        if self._diagonal:
+            complement = _complement_diagonal(self._whitened_t(), self._basis_t.mT)
+            return self.scale.square() * complement
+        factor, correction = self._second_moment_factors
+        return factor.square().sum(-1) + correction.square().sum(-2)
+
+    @property
+    def stddev(self) -> torch.Tensor:
+        """``sqrt(variance)``, with a zero gradient (not NaN) where the variance is exactly
+        zero: there the constraint fixes the coordinate, so it stays zero nearby."""
+        variance = self.variance
+        positive = variance > 0
+        return torch.where(positive, torch.where(positive, variance, 1.0).sqrt(), 0.0)
 
     @property
     def covariance_matrix(self) -> torch.Tensor:
-        """The conditional covariance ``Sigma_bar = L L^T - (L Q)(L Q)^T`` (n x n, rank
-        n - a): forms an n x n matrix."""
-        factor_basis_t = self._factor_basis_t()
-        bar = self.scale_tril @ self.scale_tril.mT - factor_basis_t.mT @ factor_basis_t
+        """The conditional covariance ``Sigma_bar = (L N)(L N)^T`` (n x n, rank n - a, see
+        :attr:`variance`): forms an n x n matrix."""
+        factor, correction = self._second_moment_factors
+        bar = factor @ factor.mT + correction.mT @ correction
         bar = 0.5 * (bar + bar.mT)
         return bar.expand(self.batch_shape + self.event_shape + self.event_shape)
 
@@ -918,20 +982,19 @@ def _kl_linear_constrained_normal(
 
     ``E_p[(z - mu_bar_q)^T Sigma_q^{-1} (z - mu_bar_q)] = tr(Sigma_q^{-1} Sigma_bar_p)
     + (mu_bar_p - mu_bar_q)^T Sigma_q^{-1} (mu_bar_p - mu_bar_q)``, where, with
-    ``Sigma_bar_p = L_p L_p^T - (L_p Q_p)(L_p Q_p)^T``,
-    ``tr(Sigma_q^{-1} Sigma_bar_p) = ||L_q^{-1} L_p||_F^2 - ||L_q^{-1} L_p Q_p||_F^2``:
-    O(n a) when both covariances are diagonal, O(n^3) otherwise.
+    ``Sigma_bar_p = (L_p N_p)(L_p N_p)^T`` (see ``variance``),
+    ``tr(Sigma_q^{-1} Sigma_bar_p) = ||L_q^{-1} L_p N_p||_F^2``, a sum of squares:
+    ``sum_i Sigma_bar_p,ii / s_q,i^2`` when q's covariance is diagonal (O(n a^2) when p's
+    is too), O(n^3) otherwise.
     """
     _same_constraint(p, q)
     mean_diff = p.mean - q.mean
-    p_factor_basis_t = p._factor_basis_t()
-    if p._diagonal and q._diagonal:
+    if q._diagonal:
         q_variance = q.scale.square()
-        trace = (p._prior_variance / q_variance).sum(-1) - (
-            p_factor_basis_t.square() / q_variance.unsqueeze(-2)
-        ).sum((-2, -1))
+        trace = (p._variance() / q_variance).sum(-1)
         maha = (mean_diff.square() / q_variance).sum(-1)
     else:
+        p_factor, p_correction = p._second_moment_factors
         q_tril = q.scale_tril
 
         def whiten(matrix: torch.Tensor) -> torch.Tensor:
@@ -942,9 +1005,9 @@ def _kl_linear_constrained_normal(
                 upper=False,
             )
 
-        trace = whiten(p.scale_tril).square().sum((-2, -1)) - whiten(
-            p_factor_basis_t.mT
-        ).square().sum((-2, -1))
+        trace = whiten(p_factor).square().sum((-2, -1)) + whiten(p_correction.mT).square().sum(
+            (-2, -1)
+        )
         maha = whiten(mean_diff.unsqueeze(-1)).squeeze(-1).square().sum(-1)
     cross_entropy = 0.5 * (trace + maha) - q._log_normalizer
     return cross_entropy - p.entropy()
