@@ -515,8 +515,9 @@ def _vmap_over_exactly_k_bernoulli(dist: ExactlyKBernoulli, logits=None, probs=N
 def _kl_exactly_k_bernoulli(p: ExactlyKBernoulli, q: ExactlyKBernoulli) -> jax.Array:
     """``KL(p || q) = mu_p . (theta_p - theta_q) - log e_k(p) + log e_k(q)`` over finite
     logits; ``+inf`` where p puts mass on a vector that q forbids. Evaluated as the
-    difference of two cross-entropies of the tilted logits (``kernels.cross_entropy_value``),
-    exactly 0 for p = q and exact for logits of any size; the gradient is the formula's."""
+    difference of two cross-entropies of the tilted logits, variable by variable
+    (``kernels.kl_value``), exactly 0 for p = q and exact for logits of any size; the
+    gradient is the formula's."""
     if p.event_shape != q.event_shape:
         raise ValueError(f"KL needs the same n, got {p.event_shape[0]} and {q.event_shape[0]}")
     if is_concrete(p.k, q.k) and not np.array_equal(*np.broadcast_arrays(p.k, q.k)):
@@ -524,8 +525,7 @@ def _kl_exactly_k_bernoulli(p: ExactlyKBernoulli, q: ExactlyKBernoulli) -> jax.A
     p_problem, q_problem = p._problem, q._problem
     p_parts, q_parts = p._parts(p_problem), q._parts(q_problem)
     mu, complement = p._marginal_pair(p_problem)
-    cross = kernels.cross_entropy_value(q_problem.logits, q_parts, mu, complement)
-    own = kernels.cross_entropy_value(p_problem.logits, p_parts, mu, complement)
+    exact = kernels.kl_value(p_problem.logits, p_parts, q_problem.logits, q_parts, mu, complement)
     p_log_norm = p._log_normalizer_of(p_problem, p_parts)
     if p._from_probs:
         # -H(p)'s infinite one-sided slope, or +inf where q has the same infinite logit
@@ -539,7 +539,7 @@ def _kl_exactly_k_bernoulli(p: ExactlyKBernoulli, q: ExactlyKBernoulli) -> jax.A
         p_log_norm,
         q._centred_logits(q_parts),
         q._log_normalizer_of(q_problem, q_parts),
-        cross - own,
+        exact,
         p_problem,
         q_problem,
     )
