@@ -532,7 +532,8 @@ def _kl_exactly_k_bernoulli(p: ExactlyKBernoulli, q: ExactlyKBernoulli) -> jax.A
         # (moving p's mass onto a vector that q forbids makes the KL infinite).
         same = jnp.where(q.logits == p.logits, -1.0, 1.0)
         direction = -_unbounded(p.probs, p_problem) * same
-        p_log_norm = p_log_norm + _infinite_slope(p.probs, direction)
+        # (Subtracted: the KL's formula subtracts p's log normaliser.)
+        p_log_norm = p_log_norm - _infinite_slope(p.probs, direction)
     return _kl(
         p._centred_logits(p_parts),
         mu,
@@ -728,20 +729,13 @@ def _unbounded(probs, problem: "_FreeProblem") -> jax.Array:
     return jnp.where((probs == 1) & can_off, -1.0, direction).astype(probs.dtype)
 
 
-@jax.custom_jvp
 def _infinite_slope(probs, direction):
-    """Zero (shape ``batch``) whose derivative in ``probs`` is ``direction * inf`` (0 where
-    ``direction`` is 0)."""
-    return jnp.zeros(probs.shape[:-1], probs.dtype)
-
-
-@_infinite_slope.defjvp
-def _infinite_slope_jvp(primals, tangents):
-    probs, direction = primals
-    # A constant factor, so that the transpose (reverse mode) is a product too: 0 where the
-    # direction is 0 (a where around the product would transpose into 0 * inf).
-    factor = jnp.where(direction == 0, 0.0, direction * jnp.inf)
-    return _infinite_slope(probs, direction), (tangents[0] * factor).sum(-1)
+    """Zero (shape ``batch``) whose derivative in ``probs`` is ``direction`` times the
+    dtype's largest finite number, standing for an infinite one-sided derivative: a true
+    infinity would turn a zero cotangent (another output of a Jacobian, a masked entry)
+    into NaN."""
+    largest = float(jnp.finfo(probs.dtype).max)
+    return ((probs - lax.stop_gradient(probs)) * (direction * largest)).sum(-1)
 
 
 def _value_with_gradient_of(value: jax.Array, formula: jax.Array) -> jax.Array:

@@ -702,8 +702,8 @@ def _downward_loop(root_outside, loop: _Loop, k, total, fft) -> jax.Array:
 
 def _prepare(logits: jax.Array, k: jax.Array, k_max: int, for_marginals: bool):
     """Flattened tilted inputs, leaf weights, and the upward pass (``exponent``: the sum of
-    the internal nodes' factors' base-2 logarithms, a whole number in the wide dtype). ``for_marginals``: whether the
-    tables will feed a downward pass (see ``_use_fft``)."""
+    the internal nodes' factors' base-2 logarithms, a whole number in the wide dtype).
+    ``for_marginals``: whether the tables will feed a downward pass (see ``_use_fft``)."""
     n = logits.shape[-1]
     flat_logits = logits.reshape(-1, n)
     flat_k = jnp.broadcast_to(jnp.asarray(k), logits.shape[:-1]).reshape(-1).astype(jnp.int32)

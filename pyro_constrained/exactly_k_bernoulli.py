@@ -112,25 +112,18 @@ class _OddsTangents(NamedTuple):
     softplus: torch.Tensor
     # Per variable: +1 where p = 0 and the variable could be switched on (r_- > 0), -1
     # where p = 1 and it could be switched off (r_+ > 0), else 0: the entropy's one-sided
-    # derivative there is this sign times infinity (a -w log w term, as for a Bernoulli).
+    # derivative there is this sign times infinity (a -w log w term, as for a Bernoulli),
+    # given as the dtype's largest finite number (see _infinite_slope).
     unbounded: torch.Tensor
     probs: torch.Tensor
 
 
-class _InfiniteSlope(torch.autograd.Function):
-    """Zero (shape ``batch``) whose derivative in ``probs`` is ``direction * inf`` (0 where
-    ``direction`` is 0 or the incoming gradient is 0, never NaN)."""
-
-    @staticmethod
-    def forward(ctx, probs, direction):
-        ctx.save_for_backward(direction)
-        return probs.new_zeros(probs.shape[:-1])
-
-    @staticmethod
-    def backward(ctx, grad):
-        (direction,) = ctx.saved_tensors
-        slope = grad[..., None] * direction * torch.inf
-        return torch.where((direction == 0) | (grad[..., None] == 0), 0.0, slope), None
+def _infinite_slope(probs: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
+    """Zero (shape ``batch``) whose derivative in ``probs`` is ``direction`` times the
+    dtype's largest finite number, standing for an infinite one-sided derivative: a true
+    infinity would turn a zero incoming gradient into NaN."""
+    largest = torch.finfo(probs.dtype).max
+    return ((probs - probs.detach()) * (direction * largest)).sum(-1)
 
 
 def _centred(logits: torch.Tensor, finite: torch.Tensor, tilt: torch.Tensor) -> torch.Tensor:
@@ -550,7 +543,7 @@ class ExactlyKBernoulli(TorchDistribution):
         formula = self._log_normalizer - (centred * mu).sum(-1)
         if self._odds_tangents is not None:
             tangents = self._odds_tangents
-            formula = formula + _InfiniteSlope.apply(tangents.probs, tangents.unbounded)
+            formula = formula + _infinite_slope(tangents.probs, tangents.unbounded)
         entropy = _value_with_gradient_of(exact.to(self.logits.dtype), formula)
         return torch.where(self._infeasible, torch.nan, entropy)
 
@@ -623,7 +616,7 @@ def _kl_exactly_k_bernoulli(p: ExactlyKBernoulli, q: ExactlyKBernoulli) -> torch
         # mass onto a vector q forbids makes the KL infinite).
         same = torch.where(q.logits == p.logits, -1.0, 1.0).to(p.logits.dtype)
         direction = -p._odds_tangents.unbounded * same
-        formula = formula + _InfiniteSlope.apply(p._odds_tangents.probs, direction)
+        formula = formula + _infinite_slope(p._odds_tangents.probs, direction)
     kl = _value_with_gradient_of(exact.to(formula.dtype), formula)
     forbidden = q.logits == -torch.inf
     required = q._forced_on
