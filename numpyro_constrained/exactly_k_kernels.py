@@ -469,7 +469,8 @@ def _leaves(x: jax.Array, k_max: int):
 def wide_dtype(dtype):
     """The dtype of the normaliser's parts and of the values computed from them: float64
     when x64 is on (in float32 they are sums of many terms that can be large and nearly
-    cancel), else ``dtype``."""
+    cancel), else ``dtype``: then ``log_constraint_prob_value`` and ``kl_value`` keep their
+    large parts apart and subtract them before rounding."""
     return jnp.promote_types(dtype, jnp.float64) if jax.config.jax_enable_x64 else dtype
 
 

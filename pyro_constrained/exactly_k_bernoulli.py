@@ -149,15 +149,19 @@ class ExactlyKBernoulli(TorchDistribution):
     ``-inf`` (``probs = 0``) forces it off; the distribution must remain feasible.
 
     **Numerics.** Every quantity is exact to the working precision for finite logits of any
-    size (masking values such as -1e4 or -1e9 included), in float32 and float64: the
-    kernels tilt the logits until the expected count is k (restarting from order statistics
-    when the logits have wide gaps), so a variable whose tilted logit is saturated in the
-    dtype contributes exactly what conditioning on its value would, and ``log_prob``,
-    ``entropy``, KL and ``log_constraint_prob`` are evaluated as sums of one-signed terms of
-    the tilted logits, in float64, instead of as differences of large numbers (their
-    gradients are the formulas' own). With validation off, an impossible constraint (k out
-    of range, or infinite logits that rule out every k-hot vector) gives ``-inf``
-    log-probabilities and NaN moments; sampling it raises ``ValueError``.
+    size (masking values such as -1e4 or -1e9 included), in float32 and float64: the kernels
+    tilt the logits until the expected count is k (restarting from order statistics when the
+    logits have wide gaps), so a variable whose tilted logit is saturated in the dtype
+    contributes exactly what conditioning on its value would, and ``log_prob``, ``entropy``,
+    KL and ``log_constraint_prob`` are evaluated as sums of one-signed terms of the tilted
+    logits, in float64, instead of as differences of large numbers. Their gradients are the
+    formulas' own, with the logits centred by the tilt (a shared offset such as 1e6 then
+    costs nothing), and are 0 at infinite logits; with ``probs`` of exactly 0 or 1, the
+    derivatives in ``probs`` there are the one-sided ones (never NaN; an infinite one, the
+    entropy's or the KL's in p, is the dtype's largest finite number with its sign). With
+    validation off, an impossible constraint (k out of range, or infinite logits that rule
+    out every k-hot vector) gives ``-inf`` log-probabilities and NaN moments; sampling it
+    raises ``ValueError``.
 
     :param logits: log-odds, shape ``batch + (n,)``; entries may be ``+-inf``.
     :param probs: probabilities in [0, 1] instead of logits (exactly one of the two).
