@@ -694,8 +694,9 @@ def _odds_terms_jvp(size, primals, tangents):
     out = _odds_terms(probs, logits, problem, size)
     k_free = problem.k
     num_free = kernels.count(jnp.isfinite(problem.logits)).astype(k_free.dtype)
-    parts = kernels.normalizer_parts(problem.logits, k_free, size)
-    log_norm = kernels.log_normalizer_value(problem.logits, k_free, parts)
+    # Differentiable coefficients (log_normalizer's derivative is the marginals), so that
+    # mixed second derivatives with an interior prob are right.
+    log_norm = kernels.log_normalizer(problem.logits, k_free, size)
     mu = _complete_selection(kernels.marginals(problem.logits, k_free, size), logits, problem)
     feasible = ~problem.infeasible
     dtype = logits.dtype
@@ -703,9 +704,9 @@ def _odds_terms_jvp(size, primals, tangents):
     ratios, changes = [], []
     for step, possible in ((-1, k_free >= 1), (1, k_free + 1 <= num_free)):
         k = jnp.where(possible, k_free + step, k_free)
-        shifted = kernels.normalizer_parts(problem.logits, k, size)
-        log_ratio = kernels.log_normalizer_value(problem.logits, k, shifted) - log_norm
-        ratio = jnp.where(possible & feasible, jnp.exp(log_ratio), 0.0).astype(dtype)
+        log_ratio = kernels.log_normalizer(problem.logits, k, size) - log_norm
+        log_ratio = jnp.where(possible & feasible, log_ratio, -jnp.inf)
+        ratio = jnp.exp(log_ratio).astype(dtype)
         ratio = jnp.minimum(ratio, largest)[..., None]
         neighbour = _complete_selection(
             kernels.marginals(problem.logits, k, size), logits, problem._replace(k=k)

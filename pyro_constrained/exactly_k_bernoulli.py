@@ -343,23 +343,25 @@ class ExactlyKBernoulli(TorchDistribution):
         off, on = probs == 0, probs == 1
         if not bool((off | on).any()):
             return None
-        with torch.no_grad():
-            logits, k_free, num_free = self._kernel_logits, self._k_free, self._finite.sum(-1)
-            size = min(self._table_size + 1, self.event_shape[0])
-            log_norm = kernels.log_normalizer_value(logits, k_free, self._normalizer_parts)
-            feasible = ~self._infeasible
-            ratios, neighbours = [], []
-            for step, possible in ((-1, k_free >= 1), (1, k_free + 1 <= num_free)):
-                k = torch.where(possible, k_free + step, k_free)
-                parts = kernels.normalizer_parts(logits, k, size)
-                log_ratio = kernels.log_normalizer_value(logits, k, parts) - log_norm
-                ratios.append(torch.where(possible & feasible, log_ratio.exp(), 0.0))
-                free = kernels.marginals(logits, k, size) if size else torch.zeros_like(logits)
-                neighbours.append(self._complete(free, 1.0, 0.0, 0.0, k_free=k))
+        # Differentiable coefficients (log_normalizer's gradient is the marginals), so that
+        # mixed second derivatives with an interior prob are right.
+        logits, k_free, num_free = self._kernel_logits, self._k_free, self._finite.sum(-1)
+        size = min(self._table_size + 1, self.event_shape[0])
+        feasible = ~self._infeasible
+        ratios, neighbours = [], []
+        for step, possible in ((-1, k_free >= 1), (1, k_free + 1 <= num_free)):
+            k = torch.where(possible, k_free + step, k_free)
+            log_ratio = kernels.log_normalizer(logits, k, size) - kernels.log_normalizer(
+                logits, k_free, size, self._normalizer_parts
+            )
+            log_ratio = torch.where(possible & feasible, log_ratio, -torch.inf)
+            ratios.append(log_ratio.exp())
+            free = kernels.marginals(logits, k, size) if size else torch.zeros_like(logits)
+            neighbours.append(self._complete(free, 1.0, 0.0, 0.0, k_free=k))
         dtype = self.logits.dtype
         largest = torch.finfo(dtype).max
         r_minus, r_plus = (r.to(dtype).clamp(max=largest)[..., None] for r in ratios)
-        mu = self._free_marginal_pair[0].detach()
+        mu = self._free_marginal_pair[0]
         d_off = torch.where(off, probs - probs.detach(), 0.0)
         d_on = torch.where(on, probs - probs.detach(), 0.0)
         sum_off, sum_on = d_off.sum(-1, keepdim=True), d_on.sum(-1, keepdim=True)
