@@ -111,15 +111,20 @@ class ExactlyKBernoulli(Distribution):
     ``-inf`` (``probs = 0``) forces it off; the distribution must remain feasible.
 
     **Numerics.** Every quantity is exact to the working precision for finite logits of any
-    size (masking values such as -1e4 or -1e9 included), in float32 and float64: the
-    kernels tilt the logits until the expected count is k (restarting from order statistics
-    when the logits have wide gaps), so a variable whose tilted logit is saturated in the
-    dtype contributes exactly what conditioning on its value would, and ``log_prob``,
-    ``entropy``, KL and ``log_constraint_prob`` are evaluated as sums of one-signed terms of
-    the tilted logits, in float64, instead of as differences of large numbers (their
-    gradients are the formulas' own). With validation off, an impossible constraint (k out
-    of range, or infinite logits that rule out every k-hot vector) gives ``-inf``
-    log-probabilities and NaN moments; sampling it raises ``ValueError``.
+    size (masking values such as -1e4 or -1e9 included), in float32 and float64: the kernels
+    tilt the logits until the expected count is k (restarting from order statistics when the
+    logits have wide gaps), so a variable whose tilted logit is saturated in the dtype
+    contributes exactly what conditioning on its value would, and ``log_prob``, ``entropy``,
+    KL and ``log_constraint_prob`` are evaluated as sums of one-signed terms of the tilted
+    logits, in float64 (with x64 off: float32 with the large parts kept as error-free
+    pairs), instead of as differences of large numbers. Their gradients are the formulas'
+    own, with the logits centred by the tilt (a shared offset such as 1e6 then costs
+    nothing), and are 0 at infinite logits; with ``probs`` of exactly 0 or 1, the
+    derivatives in ``probs`` there are the one-sided ones (never NaN; an infinite one, the
+    entropy's or the KL's in p, is the dtype's largest finite number with its sign). With
+    validation off, an impossible constraint (k out of range, or infinite logits that rule
+    out every k-hot vector) gives ``-inf`` log-probabilities and NaN moments; sampling it
+    raises ``ValueError``.
 
     :param logits: log-odds, shape ``batch + (n,)``; entries may be ``+-inf``.
     :param probs: probabilities in [0, 1] instead of logits (exactly one of the two).
@@ -194,7 +199,9 @@ class ExactlyKBernoulli(Distribution):
     # a lazy cache: Distribution.tree_flatten reads __dict__, so a cache that appears once
     # computed would change the tree structure). k_max is exactly what the caller passed.
     pytree_data_fields = ("logits", "probs", "k")
-    pytree_aux_fields = ("k_max",)
+    # _from_probs: whether the caller gave probs, whose exact 0s and 1s then get their
+    # one-sided derivatives (``_odds_terms``); False for logits, which need no extra work.
+    pytree_aux_fields = ("k_max", "_from_probs")
 
     @keyword_only("k", usage="ExactlyKBernoulli(logits, k=k)")
     def __init__(self, logits=None, probs=None, *, k, k_max=None, validate_args=None):
@@ -212,8 +219,7 @@ class ExactlyKBernoulli(Distribution):
                     probs = probs.astype(jnp.result_type(float))
                 if probs.ndim < 1:
                     raise ValueError("probs must have at least one dimension (the n variables)")
-                # Exact 0 and 1 map to -inf and +inf.
-                logits = jnp.log(probs) - jnp.log1p(-probs)
+                logits = _logits_from_probs(probs)
             else:
                 logits = jnp.asarray(logits)
                 if not jnp.issubdtype(logits.dtype, jnp.floating):
@@ -233,6 +239,7 @@ class ExactlyKBernoulli(Distribution):
             self.probs = jnp.broadcast_to(probs, batch_shape + event_shape)
             self.k = jnp.broadcast_to(k, batch_shape)
             self.k_max = k_max
+            self._from_probs = given == "probs"
             validate = self._validate_args if validate_args is None else validate_args
             # Before Distribution.__init__, whose checks of arg_constraints give less
             # specific messages: the parameter the caller gave is checked first (the other
@@ -302,7 +309,17 @@ class ExactlyKBernoulli(Distribution):
 
     def _log_normalizer_of(self, problem, parts) -> jax.Array:
         log_norm = kernels.log_normalizer(problem.logits, problem.k, self._table_size, parts)
+        if self._from_probs:
+            log_norm = log_norm + self._odds(problem).log_normalizer
         return jnp.where(problem.infeasible, -jnp.inf, log_norm)
+
+    def _odds(self, problem) -> "_OddsTerms":
+        """Zeros carrying the derivatives in ``probs`` at exact 0 and 1 (``_odds_terms``)."""
+        size = min(self._table_size + 1, self.event_shape[0])
+        return _odds_terms(self.probs, self.logits, problem, size)
+
+    def _centred_logits(self, parts) -> jax.Array:
+        return _centred(self.logits, parts.tilt)
 
     @property
     def _log_normalizer(self) -> jax.Array:
@@ -316,14 +333,21 @@ class ExactlyKBernoulli(Distribution):
         free_mu, free_complement = kernels.marginals_and_complements(
             problem.logits, problem.k, self._table_size
         )
-        return _complete_pair(free_mu, free_complement, self.logits, problem)
+        mu, complement = _complete_pair(free_mu, free_complement, self.logits, problem)
+        if self._from_probs:
+            mu = mu + self._odds(problem).marginals
+        # The complement's value is exact; its derivative is -d mu.
+        return mu, lax.stop_gradient(complement) - (mu - lax.stop_gradient(mu))
 
     @property
     def _marginal_probs(self) -> jax.Array:
         """mu_i = P(z_i = 1 | sum z = k), differentiable in the logits."""
         problem = self._problem
         free_mu = kernels.marginals(problem.logits, problem.k, self._table_size)
-        return _complete_selection(free_mu, self.logits, problem)
+        mu = _complete_selection(free_mu, self.logits, problem)
+        if self._from_probs:
+            mu = mu + self._odds(problem).marginals
+        return mu
 
     @property
     def mean(self) -> jax.Array:
@@ -445,22 +469,29 @@ class ExactlyKBernoulli(Distribution):
         mu, complement = self._marginal_pair(problem)
         exact = kernels.cross_entropy_value(problem.logits, parts, mu, complement)
         log_norm = self._log_normalizer_of(problem, parts)
-        return _entropy(self.logits, log_norm, mu, exact, problem)
+        if self._from_probs:
+            # The entropy's one-sided derivative at an exact 0 or 1 is infinite (see
+            # _OddsTerms.unbounded).
+            log_norm = log_norm + _infinite_slope(self.probs, _unbounded(self.probs, problem))
+        return _entropy(self._centred_logits(parts), log_norm, mu, exact, problem)
 
     def log_constraint_prob(self) -> jax.Array:
         """``log P(sum z = k)`` under the unconstrained Bernoullis (Poisson-binomial pmf):
         ``log e_k(exp theta) - sum_i softplus(theta_i)``, shape ``batch``, evaluated without
         that difference's cancellation (``kernels.log_constraint_prob_value``); ``-inf``
-        where the constraint is impossible. Its tables are float64 whatever the logits'
-        dtype (when x64 is on): near the mode, ``log P`` is only about ``-log(n) / 2``, and
-        float32 tables would leave it a relative error of up to ``n eps`` (measured: 4e-5 at
-        n = 1e4)."""
+        where the constraint is impossible. Near the mode, ``log P`` is only about
+        ``-log(n) / 2`` while its parts are about n / 3: its tables are float64 whatever the
+        logits' dtype when x64 is on; with x64 off they are float32 and the parts are
+        subtracted as error-free float32 pairs (``kernels.log_constraint_prob_value``;
+        plainly rounded they gave 3.7e-5 relative at n = 1e4)."""
         problem = self._problem
         parts = self._parts(problem)
         wide_logits = problem.logits.astype(kernels.wide_dtype(problem.logits.dtype))
         wide_parts = kernels.normalizer_parts(wide_logits, problem.k, self._table_size)
         exact = kernels.log_constraint_prob_value(problem.logits, problem.k, wide_parts)
         log_norm = self._log_normalizer_of(problem, parts)
+        if self._from_probs:
+            log_norm = log_norm + self._odds(problem).softplus
         return _log_constraint_prob(self.logits, log_norm, exact, problem)
 
     def expand(self, batch_shape) -> "ExactlyKBernoulli":
@@ -472,6 +503,7 @@ class ExactlyKBernoulli(Distribution):
         new.probs = jnp.broadcast_to(self.probs, batch_shape + self.event_shape)
         new.k = jnp.broadcast_to(self.k, batch_shape)
         new.k_max = self.k_max
+        new._from_probs = self._from_probs
         Distribution.__init__(new, batch_shape, self.event_shape, validate_args=False)
         new._validate_args = self._validate_args
         return new
@@ -495,8 +527,9 @@ def _vmap_over_exactly_k_bernoulli(dist: ExactlyKBernoulli, logits=None, probs=N
 def _kl_exactly_k_bernoulli(p: ExactlyKBernoulli, q: ExactlyKBernoulli) -> jax.Array:
     """``KL(p || q) = mu_p . (theta_p - theta_q) - log e_k(p) + log e_k(q)`` over finite
     logits; ``+inf`` where p puts mass on a vector that q forbids. Evaluated as the
-    difference of two cross-entropies of the tilted logits (``kernels.cross_entropy_value``),
-    exactly 0 for p = q and exact for logits of any size; the gradient is the formula's."""
+    difference of two cross-entropies of the tilted logits, variable by variable
+    (``kernels.kl_value``), exactly 0 for p = q and exact for logits of any size; the
+    gradient is the formula's."""
     if p.event_shape != q.event_shape:
         raise ValueError(f"KL needs the same n, got {p.event_shape[0]} and {q.event_shape[0]}")
     if is_concrete(p.k, q.k) and not np.array_equal(*np.broadcast_arrays(p.k, q.k)):
@@ -504,15 +537,22 @@ def _kl_exactly_k_bernoulli(p: ExactlyKBernoulli, q: ExactlyKBernoulli) -> jax.A
     p_problem, q_problem = p._problem, q._problem
     p_parts, q_parts = p._parts(p_problem), q._parts(q_problem)
     mu, complement = p._marginal_pair(p_problem)
-    cross = kernels.cross_entropy_value(q_problem.logits, q_parts, mu, complement)
-    own = kernels.cross_entropy_value(p_problem.logits, p_parts, mu, complement)
+    exact = kernels.kl_value(p_problem.logits, p_parts, q_problem.logits, q_parts, mu, complement)
+    p_log_norm = p._log_normalizer_of(p_problem, p_parts)
+    if p._from_probs:
+        # -H(p)'s infinite one-sided slope, or +inf where q has the same infinite logit
+        # (moving p's mass onto a vector that q forbids makes the KL infinite).
+        same = jnp.where(q.logits == p.logits, -1.0, 1.0)
+        direction = -_unbounded(p.probs, p_problem) * same
+        # (Subtracted: the KL's formula subtracts p's log normaliser.)
+        p_log_norm = p_log_norm - _infinite_slope(p.probs, direction)
     return _kl(
-        p.logits,
+        p._centred_logits(p_parts),
         mu,
-        p._log_normalizer_of(p_problem, p_parts),
-        q.logits,
+        p_log_norm,
+        q._centred_logits(q_parts),
         q._log_normalizer_of(q_problem, q_parts),
-        cross - own,
+        exact,
         p_problem,
         q_problem,
     )
@@ -602,6 +642,115 @@ def _finite_part(logits: jax.Array) -> jax.Array:
     return jnp.where(jnp.isfinite(logits), logits, 0.0)
 
 
+def _logits_from_probs(probs: jax.Array) -> jax.Array:
+    """Exact 0 and 1 map to -inf and +inf, invalid probs to NaN. The log is taken of
+    interior probs only (the other branch of the where gets 1/2): log(0)'s infinite
+    derivative times a zero cotangent would be NaN. The derivative at an exact 0 or 1 is
+    supplied by ``_odds_terms`` instead."""
+    interior = (probs > 0) & (probs < 1)
+    safe = jnp.where(interior, probs, 0.5)
+    edge = jnp.where(probs == 0, -jnp.inf, jnp.where(probs == 1, jnp.inf, jnp.nan))
+    return jnp.where(interior, jnp.log(safe) - jnp.log1p(-safe), edge.astype(probs.dtype))
+
+
+@jax.jit
+def _centred(logits: jax.Array, tilt: jax.Array) -> jax.Array:
+    """The logits plus the tilt (infinities kept). In a formula used for its gradient only
+    (``theta . mu``, with ``sum mu = k`` fixed), adding a constant per row changes nothing in
+    exact arithmetic; in floating point it keeps the products ``theta_j d mu_j`` as small as
+    the tilted logits, where a shared offset (every logit near 1e6) would make them cancel
+    to a fraction of the offset's rounding."""
+    return logits + tilt.astype(logits.dtype)[..., None]
+
+
+class _OddsTerms(NamedTuple):
+    """First-order terms that give the derivatives in ``probs`` at exact 0 and 1, where the
+    logits are infinite and the chain rule through them would be ``0 * inf``. Every quantity
+    is a rational function of the odds ``w_i = p_i / (1 - p_i)`` near ``w_i = 0`` (and of
+    ``1 / w_i`` near ``p_i = 1``), with ``dw/dp = 1`` at ``p = 0`` and ``d(1/w)/dp = -1`` at
+    ``p = 1``: the one-sided derivatives are those of
+
+        log Z += r_- sum_{p_i = 0} dp_i - r_+ sum_{p_i = 1} dp_i,
+        mu_j  += r_- (M_-j - mu_j) sum_{p_i = 0} dp_i - r_+ (M_+j - mu_j) sum_{p_i = 1} dp_i
+                 + (r_- [p_j = 0] + r_+ [p_j = 1]) dp_j,
+
+    with ``Z`` the normaliser over the free variables (``k_free`` ones among them),
+    ``r_- = e_{k_free - 1} / e_{k_free}`` and ``M_-`` the marginals with one fewer one,
+    ``r_+ = e_{k_free + 1} / e_{k_free}`` and ``M_+`` with one more (0 where the count is
+    out of range). The fields are zeros carrying these derivatives (a ``custom_jvp``: the
+    extra kernels run only under differentiation; coefficients held to the dtype's finite
+    range). ``softplus``: the constraint probability's extra term, ``d(-sum softplus)`` over
+    the forced variables."""
+
+    log_normalizer: jax.Array
+    marginals: jax.Array
+    softplus: jax.Array
+
+
+@partial(jax.custom_jvp, nondiff_argnums=(3,))
+def _odds_terms(probs, logits, problem: "_FreeProblem", size: int) -> _OddsTerms:
+    zeros = jnp.zeros_like(logits)
+    return _OddsTerms(zeros.sum(-1), zeros, zeros.sum(-1))
+
+
+@_odds_terms.defjvp
+def _odds_terms_jvp(size, primals, tangents):
+    probs, logits, problem = primals
+    d_probs = tangents[0]
+    out = _odds_terms(probs, logits, problem, size)
+    k_free = problem.k
+    num_free = kernels.count(jnp.isfinite(problem.logits)).astype(k_free.dtype)
+    # Differentiable coefficients (log_normalizer's derivative is the marginals), so that
+    # mixed second derivatives with an interior prob are right.
+    log_norm = kernels.log_normalizer(problem.logits, k_free, size)
+    mu = _complete_selection(kernels.marginals(problem.logits, k_free, size), logits, problem)
+    feasible = ~problem.infeasible
+    dtype = logits.dtype
+    largest = float(jnp.finfo(dtype).max)
+    ratios, changes = [], []
+    for step, possible in ((-1, k_free >= 1), (1, k_free + 1 <= num_free)):
+        k = jnp.where(possible, k_free + step, k_free)
+        log_ratio = kernels.log_normalizer(problem.logits, k, size) - log_norm
+        log_ratio = jnp.where(possible & feasible, log_ratio, -jnp.inf)
+        ratio = jnp.exp(log_ratio).astype(dtype)
+        ratio = jnp.minimum(ratio, largest)[..., None]
+        neighbour = _complete_selection(
+            kernels.marginals(problem.logits, k, size), logits, problem._replace(k=k)
+        )
+        ratios.append(ratio)
+        changes.append(jnp.nan_to_num(ratio * (neighbour - mu), nan=0.0))
+    (r_minus, r_plus), (change_minus, change_plus) = ratios, changes
+    d_off = jnp.where(probs == 0, d_probs, 0.0)
+    d_on = jnp.where(probs == 1, d_probs, 0.0)
+    sum_off, sum_on = d_off.sum(-1, keepdims=True), d_on.sum(-1, keepdims=True)
+    marginals = sum_off * change_minus - sum_on * change_plus + r_minus * d_off + r_plus * d_on
+    tangent = _OddsTerms(
+        (sum_off * r_minus - sum_on * r_plus)[..., 0], marginals, (sum_on - sum_off)[..., 0]
+    )
+    return out, jax.tree_util.tree_map(lambda t: t.astype(dtype), tangent)
+
+
+def _unbounded(probs, problem: "_FreeProblem") -> jax.Array:
+    """Per variable: +1 where p = 0 and the variable could be switched on, -1 where p = 1
+    and it could be switched off, else 0: the entropy's one-sided derivative there is this
+    sign times infinity (a ``-w log w`` term, as for a Bernoulli)."""
+    num_free = kernels.count(jnp.isfinite(problem.logits)).astype(problem.k.dtype)
+    feasible = ~problem.infeasible
+    can_on = ((problem.k >= 1) & feasible)[..., None]
+    can_off = ((problem.k + 1 <= num_free) & feasible)[..., None]
+    direction = jnp.where((probs == 0) & can_on, 1.0, 0.0)
+    return jnp.where((probs == 1) & can_off, -1.0, direction).astype(probs.dtype)
+
+
+def _infinite_slope(probs, direction):
+    """Zero (shape ``batch``) whose derivative in ``probs`` is ``direction`` times the
+    dtype's largest finite number, standing for an infinite one-sided derivative: a true
+    infinity would turn a zero cotangent (another output of a Jacobian, a masked entry)
+    into NaN."""
+    largest = float(jnp.finfo(probs.dtype).max)
+    return ((probs - lax.stop_gradient(probs)) * (direction * largest)).sum(-1)
+
+
 def _value_with_gradient_of(value: jax.Array, formula: jax.Array) -> jax.Array:
     """``value`` (computed accurately, without gradient) carrying the gradient of
     ``formula``, an expression equal to it in exact arithmetic but with rounding error in
@@ -687,6 +836,7 @@ def _kl(p_logits, p_mu, p_log_normalizer, q_logits, q_log_normalizer, exact, p_p
     both_deterministic = p_problem.deterministic & q_problem.deterministic
     exact = jnp.where(both_deterministic, 0.0, exact).astype(formula.dtype)
     kl = _value_with_gradient_of(exact, formula)
+    # (The centred logits keep the infinities of the logits.)
     forbidden = q_logits == -jnp.inf
     required = q_logits == jnp.inf
     escapes = kernels.count(((p_mu > 0) & forbidden) | ((p_mu < 1) & required)) > 0

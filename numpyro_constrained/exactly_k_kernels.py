@@ -469,7 +469,8 @@ def _leaves(x: jax.Array, k_max: int):
 def wide_dtype(dtype):
     """The dtype of the normaliser's parts and of the values computed from them: float64
     when x64 is on (in float32 they are sums of many terms that can be large and nearly
-    cancel), else ``dtype``."""
+    cancel), else ``dtype``: then ``log_constraint_prob_value`` and ``kl_value`` keep their
+    large parts apart and subtract them before rounding."""
     return jnp.promote_types(dtype, jnp.float64) if jax.config.jax_enable_x64 else dtype
 
 
@@ -582,7 +583,9 @@ def _upward(tables: jax.Array, k_max: int, fft: jax.Array | bool | None):
         subtree = exponent + subtree[:, 0::2] + subtree[:, 1::2]
         levels.append(_Level(pairs[:, :, 0], pairs[:, :, 1], padded, children))
         span *= 2
-    return tables[:, 0], levels, subtree[:, 0] * math.log(2.0)
+    # The exponent sum itself (a whole number, exact in either dtype), not its multiple of
+    # log 2: in float32 that product, thousands at n = 1e4, would round to 2e-4.
+    return tables[:, 0], levels, subtree[:, 0]
 
 
 class _Loop(NamedTuple):
@@ -699,9 +702,9 @@ def _downward_loop(root_outside, loop: _Loop, k, total, fft) -> jax.Array:
 
 
 def _prepare(logits: jax.Array, k: jax.Array, k_max: int, for_marginals: bool):
-    """Flattened tilted inputs, leaf weights, and the upward pass (``log_scale``: the sum of
-    the internal nodes' log factors, in the wide dtype). ``for_marginals``: whether the
-    tables will feed a downward pass (see ``_use_fft``)."""
+    """Flattened tilted inputs, leaf weights, and the upward pass (``exponent``: the sum of
+    the internal nodes' factors' base-2 logarithms, a whole number in the wide dtype).
+    ``for_marginals``: whether the tables will feed a downward pass (see ``_use_fft``)."""
     n = logits.shape[-1]
     flat_logits = logits.reshape(-1, n)
     flat_k = jnp.broadcast_to(jnp.asarray(k), logits.shape[:-1]).reshape(-1).astype(jnp.int32)
@@ -709,8 +712,8 @@ def _prepare(logits: jax.Array, k: jax.Array, k_max: int, for_marginals: bool):
     x = flat_logits + c
     weights, leaf_tables = _leaves(x, k_max)
     fft = _use_fft(x, k_max, for_marginals)
-    root, levels, log_scale = _upward(leaf_tables, k_max, fft)
-    return flat_k, c[:, 0], weights, root, levels, log_scale, fft
+    root, levels, exponent = _upward(leaf_tables, k_max, fft)
+    return flat_k, c[:, 0], weights, root, levels, exponent, fft
 
 
 def _use_fft(x: jax.Array, k_max: int, for_marginals: bool) -> jax.Array | bool | None:
@@ -749,14 +752,22 @@ class NormalizerParts(NamedTuple):
 
     tilt: jax.Array
     log_reduced: jax.Array
+    # log_reduced = log_root + exponent log 2, the two kept apart for the float32 formulas
+    # (x64 off), where log_reduced (about n / 3) has lost the digits of a small difference.
+    log_root: jax.Array
+    exponent: jax.Array
 
 
-def _parts_from(logits, flat_k, c, root, log_scale) -> NormalizerParts:
+def _parts_from(logits, flat_k, c, root, exponent) -> NormalizerParts:
     wide = wide_dtype(logits.dtype)
     root_k = jnp.take_along_axis(root, flat_k[:, None], axis=-1)[:, 0]
-    log_reduced = jnp.log(root_k.astype(wide)) + log_scale.astype(wide)
+    log_root = jnp.log(root_k.astype(wide))
+    exponent = exponent.astype(wide)
+    log_reduced = log_root + exponent * math.log(2.0)
     batch_shape = logits.shape[:-1]
-    parts = NormalizerParts(c.astype(wide).reshape(batch_shape), log_reduced.reshape(batch_shape))
+    parts = NormalizerParts(
+        *(t.reshape(batch_shape) for t in (c.astype(wide), log_reduced, log_root, exponent))
+    )
     return jax.tree_util.tree_map(lax.stop_gradient, parts)
 
 
@@ -764,7 +775,8 @@ def _zero_parts(logits: jax.Array) -> NormalizerParts:
     """The parts for k = 0 everywhere: e_0 = 1, no tilt."""
     zero_tilt = jnp.zeros(logits.shape[:-1], wide_dtype(logits.dtype))
     x = _tilted(logits, zero_tilt)
-    return NormalizerParts(zero_tilt, -jnp.maximum(x, 0.0).sum(-1))
+    log_reduced = -jnp.maximum(x, 0.0).sum(-1)
+    return NormalizerParts(zero_tilt, log_reduced, log_reduced, jnp.zeros_like(zero_tilt))
 
 
 def _bucket(size: int) -> int:
@@ -823,8 +835,8 @@ def _normalizer_parts(logits: jax.Array, k: jax.Array, k_max: int) -> Normalizer
     logits = lax.stop_gradient(logits)
     if k_max == 0:
         return _zero_parts(logits)
-    flat_k, c, _, root, _, log_scale, _ = _prepare(logits, jnp.asarray(k), k_max, False)
-    return _parts_from(logits, flat_k, c, root, log_scale)
+    flat_k, c, _, root, _, exponent, _ = _prepare(logits, jnp.asarray(k), k_max, False)
+    return _parts_from(logits, flat_k, c, root, exponent)
 
 
 def _tilted(logits: jax.Array, tilt: jax.Array) -> jax.Array:
@@ -866,6 +878,31 @@ def cross_entropy_value(
 
 
 @jax.jit
+def kl_value(
+    p_logits: jax.Array,
+    p_parts: NormalizerParts,
+    q_logits: jax.Array,
+    q_parts: NormalizerParts,
+    mu: jax.Array,
+    mu_complement: jax.Array,
+) -> jax.Array:
+    """``KL(p || q)`` for p with marginals ``mu`` (``cross_entropy_value`` of q minus that of
+    p), with every difference taken before it is summed: per variable,
+    ``(1 - mu_i) (max(y_i, 0) - max(x_i, 0)) + mu_i (max(-y_i, 0) - max(-x_i, 0))`` (x, y
+    the tilted logits of p and q), and the normalisers' parts as ``log_root`` and the
+    whole-number ``exponent`` apart. Each cross-entropy is about n / 3; in float32 (x64 off)
+    their difference would carry the rounding of that size (5e-4 at n = 1e4). Exactly 0
+    for p = q. Wide dtype, no gradient."""
+    x, y = _tilted(p_logits, p_parts.tilt), _tilted(q_logits, q_parts.tilt)
+    mu, mu_complement = (lax.stop_gradient(t).astype(x.dtype) for t in (mu, mu_complement))
+    on = jnp.maximum(y, 0.0) - jnp.maximum(x, 0.0)
+    off = jnp.maximum(-y, 0.0) - jnp.maximum(-x, 0.0)
+    terms = jnp.where(x > -jnp.inf, mu_complement * on + mu * off, 0.0)
+    exponents = (q_parts.exponent - p_parts.exponent) * math.log(2.0)
+    return terms.sum(-1) + (q_parts.log_root - p_parts.log_root) + exponents
+
+
+@jax.jit
 def log_constraint_prob_value(logits: jax.Array, k: jax.Array, parts: NormalizerParts):
     """``log P(sum z = k)`` for independent ``z_i ~ Bernoulli(sigmoid(logits_i))`` (wide
     dtype, no gradient), without the cancellation of ``log e_k - sum softplus(logits)``. With
@@ -886,8 +923,56 @@ def log_constraint_prob_value(logits: jax.Array, k: jax.Array, parts: Normalizer
     shift = parts.tilt * (x_on.sum(-1) - jnp.asarray(k))
     shift = shift + jnp.where(x_on & ~theta_on, theta, 0.0).sum(-1)
     shift = shift - jnp.where(theta_on & ~x_on, theta, 0.0).sum(-1)
-    tails = jnp.where(finite, jnp.log1p(jnp.exp(-jnp.abs(theta))), 0.0).sum(-1)
-    return parts.log_reduced + shift - tails
+    tails = jnp.where(finite, jnp.log1p(jnp.exp(-jnp.abs(theta))), 0.0)
+    if tails.dtype == jnp.float64:
+        return parts.log_reduced + shift - tails.sum(-1)
+    # float32 (x64 off): exponent log 2 and the tails' sum are each about n / 3 while their
+    # difference is a few units, so both are formed as unevaluated sums hi + lo of two
+    # float32 numbers (error-free transformations) and subtracted before rounding.
+    scale_hi, scale_lo = _two_product(parts.exponent, np.float32(_LN2_HIGH))
+    scale_lo = scale_lo + parts.exponent * np.float32(_LN2_LOW)
+    tails_hi, tails_lo = _compensated_sum(tails)
+    return parts.log_root + ((scale_hi - tails_hi) + (scale_lo - tails_lo)) + shift
+
+
+# log 2 as the sum of two float32 numbers.
+_LN2_HIGH = float(np.float32(math.log(2.0)))
+_LN2_LOW = math.log(2.0) - _LN2_HIGH
+
+
+def _two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(s, e) with s = fl(a + b) and a + b = s + e exactly (Knuth's TwoSum)."""
+    s = a + b
+    b_virtual = s - a
+    return s, (a - (s - b_virtual)) + (b - b_virtual)
+
+
+def _two_product(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(p, e) with p = fl(a b) and a b = p + e exactly (Dekker's product, float32)."""
+    p = a * b
+
+    def split(v):
+        t = v * np.float32(4097.0)  # 2^12 + 1: halves of 12 significant bits
+        high = t - (t - v)
+        return high, v - high
+
+    (a_hi, a_lo), (b_hi, b_lo) = split(a), split(b)
+    return p, ((a_hi * b_hi - p) + a_hi * b_lo + a_lo * b_hi) + a_lo * b_lo
+
+
+def _compensated_sum(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The sum of ``x`` along its last axis as hi + lo: pairwise, each addition's rounding
+    error recovered by TwoSum and summed separately (the result is as accurate as a sum in
+    twice the precision, up to the errors' own small sum)."""
+    lo = jnp.zeros(x.shape[:-1], x.dtype)
+    if x.shape[-1] == 0:
+        return lo, lo
+    while x.shape[-1] > 1:
+        if x.shape[-1] % 2:
+            x = _pad_last(x, 0, 1)
+        x, error = _two_sum(x[..., 0::2], x[..., 1::2])
+        lo = lo + error.sum(-1)
+    return x[..., 0], lo
 
 
 def _marginals_from(flat_k, weights, root, levels, fft, with_complements: bool = False):

@@ -9,6 +9,7 @@ validation, shapes and the framework's protocols.
 """
 
 import math
+from typing import NamedTuple
 
 import torch
 from pyro.distributions import Bernoulli, TorchDistribution
@@ -57,7 +58,8 @@ class KHot(constraints.Constraint):
 
     def check(self, value: torch.Tensor) -> torch.Tensor:
         binary = ((value == 0) | (value == 1)).all(-1)
-        return binary & (value.sum(-1) == self.k.to(value.dtype))
+        # Counted as integers: cast to a boolean value's dtype, k = 2 would become True.
+        return binary & (value.sum(-1) == self.k)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(k={self.k})"
@@ -81,8 +83,62 @@ def _value_with_gradient_of(value: torch.Tensor, formula: torch.Tensor) -> torch
 
 
 def _logits_from_probs(probs: torch.Tensor) -> torch.Tensor:
-    # Exact 0 and 1 map to -inf and +inf (torch's probs_to_logits clamps them instead).
-    return torch.log(probs) - torch.log1p(-probs)
+    # Exact 0 and 1 map to -inf and +inf (torch's probs_to_logits clamps them instead), and
+    # invalid probs to NaN. The log is taken of interior probs only (the other branch of
+    # the where gets 1/2): log(0)'s infinite derivative times a zero cotangent would be NaN.
+    # The derivative at an exact 0 or 1 is supplied by _OddsTangents instead.
+    interior = (probs > 0) & (probs < 1)
+    safe = torch.where(interior, probs, 0.5)
+    logits = torch.log(safe) - torch.log1p(-safe)
+    edge = torch.where(probs == 0, -torch.inf, torch.where(probs == 1, torch.inf, torch.nan))
+    return torch.where(interior, logits, edge.to(logits.dtype))
+
+
+class _OddsTangents(NamedTuple):
+    """First-order terms that give the derivatives in ``probs`` at exact 0 and 1, where the
+    logits are infinite and the chain rule through them would be ``0 * inf``. Every quantity
+    is a rational function of the odds ``w_i = p_i / (1 - p_i)`` near ``w_i = 0`` (and of
+    ``1 / w_i`` near ``p_i = 1``), with ``dw/dp = 1`` at ``p = 0`` and ``d(1/w)/dp = -1`` at
+    ``p = 1``: the one-sided derivatives are those of
+
+        log Z += r_- sum_{p_i = 0} dp_i - r_+ sum_{p_i = 1} dp_i,
+        mu_j  += r_- (M_-j - mu_j) sum_{p_i = 0} dp_i - r_+ (M_+j - mu_j) sum_{p_i = 1} dp_i
+                 + (r_- [p_j = 0] + r_+ [p_j = 1]) dp_j,
+
+    with ``Z`` the normaliser over the free variables (``k_free`` ones among them),
+    ``r_- = e_{k_free - 1} / e_{k_free}`` and ``M_-`` the marginals with one fewer one,
+    ``r_+ = e_{k_free + 1} / e_{k_free}`` and ``M_+`` with one more (0 where the count is
+    out of range). The fields are zero-valued tensors carrying these derivatives (their
+    coefficients held to the dtype's finite range, so that a value is never ``0 * inf``)."""
+
+    log_normalizer: torch.Tensor
+    marginals: torch.Tensor
+    # The constraint probability's extra term: d(-sum softplus) over the forced variables.
+    softplus: torch.Tensor
+    # Per variable: +1 where p = 0 and the variable could be switched on (r_- > 0), -1
+    # where p = 1 and it could be switched off (r_+ > 0), else 0: the entropy's one-sided
+    # derivative there is this sign times infinity (a -w log w term, as for a Bernoulli),
+    # given as the dtype's largest finite number (see _infinite_slope).
+    unbounded: torch.Tensor
+    probs: torch.Tensor
+
+
+def _infinite_slope(probs: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
+    """Zero (shape ``batch``) whose derivative in ``probs`` is ``direction`` times the
+    dtype's largest finite number, standing for an infinite one-sided derivative: a true
+    infinity would turn a zero incoming gradient into NaN."""
+    largest = torch.finfo(probs.dtype).max
+    return ((probs - probs.detach()) * (direction * largest)).sum(-1)
+
+
+def _centred(logits: torch.Tensor, finite: torch.Tensor, tilt: torch.Tensor) -> torch.Tensor:
+    """The finite logits plus the tilt (0 elsewhere). In a formula used for its gradient
+    only (``theta . mu``, with ``sum mu = k`` fixed), adding a constant per row changes
+    nothing in exact arithmetic; in floating point it keeps the products ``theta_j
+    d mu_j`` as small as the tilted logits, where a shared offset (every logit near 1e6)
+    would make them cancel to a fraction of the offset's rounding."""
+    shifted = logits + tilt.to(logits.dtype)[..., None]
+    return torch.where(finite, shifted, torch.zeros_like(shifted))
 
 
 class ExactlyKBernoulli(TorchDistribution):
@@ -98,15 +154,19 @@ class ExactlyKBernoulli(TorchDistribution):
     ``-inf`` (``probs = 0``) forces it off; the distribution must remain feasible.
 
     **Numerics.** Every quantity is exact to the working precision for finite logits of any
-    size (masking values such as -1e4 or -1e9 included), in float32 and float64: the
-    kernels tilt the logits until the expected count is k (restarting from order statistics
-    when the logits have wide gaps), so a variable whose tilted logit is saturated in the
-    dtype contributes exactly what conditioning on its value would, and ``log_prob``,
-    ``entropy``, KL and ``log_constraint_prob`` are evaluated as sums of one-signed terms of
-    the tilted logits, in float64, instead of as differences of large numbers (their
-    gradients are the formulas' own). With validation off, an impossible constraint (k out
-    of range, or infinite logits that rule out every k-hot vector) gives ``-inf``
-    log-probabilities and NaN moments; sampling it raises ``ValueError``.
+    size (masking values such as -1e4 or -1e9 included), in float32 and float64: the kernels
+    tilt the logits until the expected count is k (restarting from order statistics when the
+    logits have wide gaps), so a variable whose tilted logit is saturated in the dtype
+    contributes exactly what conditioning on its value would, and ``log_prob``, ``entropy``,
+    KL and ``log_constraint_prob`` are evaluated as sums of one-signed terms of the tilted
+    logits, in float64, instead of as differences of large numbers. Their gradients are the
+    formulas' own, with the logits centred by the tilt (a shared offset such as 1e6 then
+    costs nothing), and are 0 at infinite logits; with ``probs`` of exactly 0 or 1, the
+    derivatives in ``probs`` there are the one-sided ones (never NaN; an infinite one, the
+    entropy's or the KL's in p, is the dtype's largest finite number with its sign). With
+    validation off, an impossible constraint (k out of range, or infinite logits that rule
+    out every k-hot vector) gives ``-inf`` log-probabilities and NaN moments; sampling it
+    raises ``ValueError``.
 
     :param logits: log-odds, shape ``batch + (n,)``; entries may be ``+-inf``.
     :param probs: probabilities in [0, 1] instead of logits (exactly one of the two).
@@ -200,6 +260,7 @@ class ExactlyKBernoulli(TorchDistribution):
         if probs is not None:
             self.probs = probs.expand(batch_shape + event_shape)
         self.k = k.expand(batch_shape)
+        self._from_probs = probs is not None
         # Before Distribution.__init__, whose checks of arg_constraints give less specific
         # messages.
         validate = Distribution._validate_args if validate_args is None else validate_args
@@ -274,31 +335,88 @@ class ExactlyKBernoulli(TorchDistribution):
         log_norm = kernels.log_normalizer(
             self._kernel_logits, self._k_free, self._table_size, self._normalizer_parts
         )
+        if self._odds_tangents is not None:
+            log_norm = log_norm + self._odds_tangents.log_normalizer
         return torch.where(self._infeasible, -torch.inf, log_norm)
+
+    @lazy_property
+    def _odds_tangents(self) -> _OddsTangents | None:
+        """The derivatives in ``probs`` at exact 0 and 1 (see ``_OddsTangents``); None unless
+        the distribution was built from ``probs`` that require grad and hold a 0 or a 1."""
+        probs = self.__dict__.get("probs")
+        if not self._from_probs or probs is None or not probs.requires_grad:
+            return None
+        off, on = probs == 0, probs == 1
+        if not bool((off | on).any()):
+            return None
+        # Differentiable coefficients (log_normalizer's gradient is the marginals), so that
+        # mixed second derivatives with an interior prob are right.
+        logits, k_free, num_free = self._kernel_logits, self._k_free, self._finite.sum(-1)
+        size = min(self._table_size + 1, self.event_shape[0])
+        feasible = ~self._infeasible
+        ratios, neighbours = [], []
+        for step, possible in ((-1, k_free >= 1), (1, k_free + 1 <= num_free)):
+            k = torch.where(possible, k_free + step, k_free)
+            log_ratio = kernels.log_normalizer(logits, k, size) - kernels.log_normalizer(
+                logits, k_free, size, self._normalizer_parts
+            )
+            log_ratio = torch.where(possible & feasible, log_ratio, -torch.inf)
+            ratios.append(log_ratio.exp())
+            free = kernels.marginals(logits, k, size) if size else torch.zeros_like(logits)
+            neighbours.append(self._complete(free, 1.0, 0.0, 0.0, k_free=k))
+        dtype = self.logits.dtype
+        largest = torch.finfo(dtype).max
+        r_minus, r_plus = (r.to(dtype).clamp(max=largest)[..., None] for r in ratios)
+        mu = self._free_marginal_pair[0]
+        d_off = torch.where(off, probs - probs.detach(), 0.0)
+        d_on = torch.where(on, probs - probs.detach(), 0.0)
+        sum_off, sum_on = d_off.sum(-1, keepdim=True), d_on.sum(-1, keepdim=True)
+        change_minus = torch.nan_to_num((r_minus * (neighbours[0] - mu)), 0.0, largest, -largest)
+        change_plus = torch.nan_to_num((r_plus * (neighbours[1] - mu)), 0.0, largest, -largest)
+        marginals = sum_off * change_minus - sum_on * change_plus + r_minus * d_off + r_plus * d_on
+        direction = torch.where(off & (r_minus > 0), 1.0, 0.0)
+        direction = torch.where(on & (r_plus > 0), -1.0, direction).to(dtype)
+        return _OddsTangents(
+            (sum_off * r_minus - sum_on * r_plus)[..., 0],
+            marginals,
+            (sum_on - sum_off)[..., 0],
+            direction,
+            probs,
+        )
 
     @lazy_property
     def _deterministic(self) -> torch.Tensor:
         """Batch elements with a single k-hot vector in the support."""
         return (self._k_free == 0) | (self._k_free == self._finite.sum(-1))
 
-    def _complete(self, free: torch.Tensor, forced_on: float, forced_off: float, none_left: float):
+    def _complete(
+        self, free: torch.Tensor, forced_on: float, forced_off: float, none_left: float, k_free=None
+    ):
         # Deterministic entries get exact values (and zero gradient, which is their derivative).
+        k_free = self._k_free if k_free is None else k_free
         num_free = self._finite.sum(-1)
-        all_on = (self._k_free == num_free)[..., None]
+        all_on = (k_free == num_free)[..., None]
         value = torch.where(all_on, 1.0 - none_left, free)
-        value = torch.where((self._k_free == 0)[..., None], none_left, value)
+        value = torch.where((k_free == 0)[..., None], none_left, value)
         constant = torch.where(self._forced_on, forced_on, forced_off)
         value = torch.where(self._finite, value, constant)
         return torch.where(self._infeasible[..., None], torch.nan, value)
 
     @lazy_property
-    def _marginal_pair(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mu, 1 - mu): mu_i = P(z_i = 1 | sum z = k), differentiable in the logits; its
-        complement computed without rounding (no gradient)."""
+    def _free_marginal_pair(self) -> tuple[torch.Tensor, torch.Tensor]:
         free, free_complement = kernels.marginals_and_complements(
             self._kernel_logits, self._k_free, self._table_size
         )
         return self._complete(free, 1.0, 0.0, 0.0), self._complete(free_complement, 0.0, 1.0, 1.0)
+
+    @lazy_property
+    def _marginal_pair(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mu, 1 - mu): mu_i = P(z_i = 1 | sum z = k), differentiable in the parameters; its
+        complement computed without rounding, carrying the derivative ``-d mu``."""
+        mu, complement = self._free_marginal_pair
+        if self._odds_tangents is not None:
+            mu = mu + self._odds_tangents.marginals
+        return mu, complement.detach() - (mu - mu.detach())
 
     @property
     def _marginal_probs(self) -> torch.Tensor:
@@ -433,7 +551,11 @@ class ExactlyKBernoulli(TorchDistribution):
             self._kernel_logits, self._normalizer_parts, mu, complement
         )
         exact = torch.where(self._deterministic, 0.0, exact)
-        formula = self._log_normalizer - (self._finite_logits * mu).sum(-1)
+        centred = _centred(self.logits, self._finite, self._normalizer_parts.tilt)
+        formula = self._log_normalizer - (centred * mu).sum(-1)
+        if self._odds_tangents is not None:
+            tangents = self._odds_tangents
+            formula = formula + _infinite_slope(tangents.probs, tangents.unbounded)
         entropy = _value_with_gradient_of(exact.to(self.logits.dtype), formula)
         return torch.where(self._infeasible, torch.nan, entropy)
 
@@ -451,6 +573,8 @@ class ExactlyKBernoulli(TorchDistribution):
         exact = kernels.log_constraint_prob_value(self._kernel_logits, self._k_free, parts)
         softplus = torch.where(self._finite, _softplus(self._finite_logits), 0.0)
         formula = self._log_normalizer - softplus.sum(-1)
+        if self._odds_tangents is not None:
+            formula = formula + self._odds_tangents.softplus
         value = _value_with_gradient_of(exact.to(self.logits.dtype), formula)
         return torch.where(self._infeasible, -torch.inf, value)
 
@@ -461,6 +585,7 @@ class ExactlyKBernoulli(TorchDistribution):
         if "probs" in self.__dict__:
             new.probs = self.probs.expand(batch_shape + self.event_shape)
         new.k = self.k.expand(batch_shape)
+        new._from_probs = self._from_probs
         new._table_size = self._table_size
         new.k_max = self.k_max
         new._infeasible = self._infeasible.expand(batch_shape)
@@ -494,12 +619,16 @@ def _kl_exactly_k_bernoulli(p: ExactlyKBernoulli, q: ExactlyKBernoulli) -> torch
     cross = kernels.cross_entropy_value(q._kernel_logits, q._normalizer_parts, mu, complement)
     own = kernels.cross_entropy_value(p._kernel_logits, p._normalizer_parts, mu, complement)
     exact = torch.where(p._deterministic & q._deterministic, 0.0, cross - own)
-    formula = (
-        (mu * p._finite_logits).sum(-1)
-        - (mu * q._finite_logits).sum(-1)
-        - p._log_normalizer
-        + q._log_normalizer
-    )
+    p_centred = _centred(p.logits, p._finite, p._normalizer_parts.tilt)
+    q_centred = _centred(q.logits, q._finite, q._normalizer_parts.tilt)
+    formula = (mu * p_centred).sum(-1) - (mu * q_centred).sum(-1)
+    formula = formula - p._log_normalizer + q._log_normalizer
+    if p._odds_tangents is not None:
+        # -H(p)'s infinite slope, or +inf where q has the same infinite logit (moving p's
+        # mass onto a vector q forbids makes the KL infinite).
+        same = torch.where(q.logits == p.logits, -1.0, 1.0).to(p.logits.dtype)
+        direction = -p._odds_tangents.unbounded * same
+        formula = formula + _infinite_slope(p._odds_tangents.probs, direction)
     kl = _value_with_gradient_of(exact.to(formula.dtype), formula)
     forbidden = q.logits == -torch.inf
     required = q._forced_on

@@ -14,6 +14,7 @@ these tests were written against) is of order 1.
 """
 
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -238,3 +239,368 @@ def test_float32_log_constraint_prob_has_relative_error_below_1e_5_at_n_10000(fr
     actual = _numpy(d.log_constraint_prob())[:, 0]
     relative = np.abs(actual - expected[ks]) / np.abs(expected[ks])
     assert relative.max() <= 1e-5, dict(zip(ks.tolist(), relative.tolist(), strict=True))
+
+
+# ---------------------------------------------------------------------------------------
+# Gradients (issue 29). References by enumeration in float64: for a function f(z) that does
+# not depend on theta, d E[f(z)] / d theta = Cov(z, f(z)) = sum_s p_s (z_s - mu) (f_s - E f),
+# which holds at every finite logit (0 at the infinite ones, whose variables are fixed).
+
+GRADIENT_TOLERANCE = {"float32": 2e-4, "float64": 1e-8}
+
+
+def _covariance_with(subsets, probs, mu, values) -> np.ndarray:
+    """Cov(z, f(z)) from f's values on the subsets (centred first: no cancellation)."""
+    centred = values - probs @ values
+    return ((subsets - mu) * (probs * centred)[:, None]).sum(0)
+
+
+def _gradients(framework: str, dtype: str, logits, q_logits, k: int, z, weights, target):
+    """The library's gradients in the logits of p (and of q for the KL), float64 arrays."""
+    names = ["log_prob", "entropy", "log_constraint_prob", "mean", "variance", "l1", "l2"]
+    if framework == "torch":
+        from torch.distributions import kl_divergence
+
+        from pyro_constrained.losses import expected_l1_loss, expected_l2_loss
+
+        def make(theta):
+            return TorchExactlyKBernoulli(logits=theta, k=k)
+
+        def tensor(x):
+            return torch.tensor(np.asarray(x), dtype=getattr(torch, dtype))
+
+        functions = {
+            "log_prob": lambda d: d.log_prob(tensor(z)),
+            "entropy": lambda d: d.entropy(),
+            "log_constraint_prob": lambda d: d.log_constraint_prob(),
+            "mean": lambda d: (d.mean * tensor(weights)).sum(),
+            "variance": lambda d: (d.variance * tensor(weights)).sum(),
+            "l1": lambda d: expected_l1_loss(d, tensor(target)),
+            "l2": lambda d: expected_l2_loss(d, tensor(target)),
+        }
+        out = {}
+        for name in names:
+            theta = tensor(logits).requires_grad_()
+            out[name] = torch.autograd.grad(functions[name](make(theta)), theta)[0]
+        theta, other = tensor(logits).requires_grad_(), tensor(q_logits).requires_grad_()
+        out["kl_p"], out["kl_q"] = torch.autograd.grad(
+            kl_divergence(make(theta), make(other)), (theta, other)
+        )
+        return {name: _numpy(value) for name, value in out.items()}
+
+    from numpyro.distributions.kl import kl_divergence
+
+    from numpyro_constrained.losses import expected_l1_loss, expected_l2_loss
+
+    def make(theta):
+        return JaxExactlyKBernoulli(logits=theta, k=k)
+
+    def array(x):
+        return jnp.asarray(np.asarray(x), dtype=getattr(jnp, dtype))
+
+    functions = {
+        "log_prob": lambda d: d.log_prob(array(z)),
+        "entropy": lambda d: d.entropy(),
+        "log_constraint_prob": lambda d: d.log_constraint_prob(),
+        "mean": lambda d: (d.mean * array(weights)).sum(),
+        "variance": lambda d: (d.variance * array(weights)).sum(),
+        "l1": lambda d: expected_l1_loss(d, array(target)),
+        "l2": lambda d: expected_l2_loss(d, array(target)),
+    }
+
+    def everything(theta, other):
+        p = make(theta)
+        return jnp.stack([functions[name](p) for name in names] + [kl_divergence(p, make(other))])
+
+    # One reverse pass for all the scalars (a Jacobian): each separate jax.grad traced and
+    # compiled the kernels' derivatives again, several times the test's cost.
+    by_p, by_q = jax.jacrev(everything, argnums=(0, 1))(array(logits), array(q_logits))
+    out = dict(zip(names + ["kl_p"], by_p, strict=True))
+    out["kl_q"] = by_q[-1]
+    return {name: _numpy(value) for name, value in out.items()}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@given(logits=adversarial_logits(max_n=6), data=st.data())
+def test_gradients_match_enumeration(framework, dtype, logits, data):
+    """Gradients of log_prob, entropy, log_constraint_prob, the marginals, the variance, the
+    expected losses and the KL (in both arguments) at adversarial logits, shifted by a shared
+    offset (1e6: exactly representable, so the distribution is the rounded logits'; the
+    values are shift-invariant and the gradients must be too: float32 entropy and KL
+    gradients were 0.1 off) and with ties; finite everywhere, 0 at infinite logits."""
+    # Always n = 6, short draws completed by -inf logits: each new n would compile the JAX
+    # kernels' derivatives again (most of this test's time).
+    n = 6
+    logits = np.concatenate([logits, np.full(n - logits.shape[0], -np.inf)])
+    k = data.draw(st.integers(0, n), label="k")
+    offset = data.draw(st.sampled_from([0.0, 0.0, 1e6, -3e5]), label="offset")
+    if data.draw(st.booleans(), label="ties"):
+        logits = np.where(np.isfinite(logits), np.round(logits), logits)
+    logits = _rounded(logits + offset, dtype)
+    other = data.draw(adversarial_logits(max_n=n).filter(lambda x: x.shape[0] == n), label="q")
+    # q: p's infinite logits (a finite KL) and other finite values near p's.
+    q_logits = np.where(np.isfinite(logits), np.where(np.isfinite(other), other, 0.0), logits)
+    q_logits = _rounded(np.where(np.abs(q_logits) < 100, q_logits + offset, q_logits), dtype)
+    reference = oracle.exact_enumeration(logits, k)
+    if reference is None:
+        return
+    subsets, log_probs, _, mu, _ = reference
+    probs = np.exp(log_probs)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
+    weights = rng.normal(size=n)
+    target = rng.uniform(-0.5, 1.5, size=n)
+    z = subsets[int(rng.integers(len(subsets)))]
+    q_subsets, q_log_probs, _, q_mu, _ = oracle.exact_enumeration(q_logits, k)
+    q_of = {tuple(row): lp for row, lp in zip(q_subsets, q_log_probs, strict=True)}
+    q_scores = np.array([q_of[tuple(row)] for row in subsets])
+    finite = np.isfinite(logits)
+    with np.errstate(over="ignore"):
+        sigmoid = 1.0 / (1.0 + np.exp(-np.where(finite, logits, 0.0)))
+    covariance = partial(_covariance_with, subsets, probs, mu)
+    expected = {
+        "log_prob": z - mu,
+        "entropy": -covariance(log_probs),
+        "log_constraint_prob": mu - sigmoid,
+        "mean": covariance(subsets @ weights),
+        "variance": covariance(subsets @ (weights * (1 - 2 * mu))),
+        "l1": covariance(np.abs(subsets - target).sum(1)),
+        "l2": covariance(((subsets - target) ** 2).sum(1)),
+        "kl_p": covariance(log_probs - q_scores),
+        "kl_q": q_mu - mu,
+    }
+    actual = _gradients(framework, dtype, logits, q_logits, k, z, weights, target)
+    tolerance = GRADIENT_TOLERANCE[dtype]
+    for name, value in expected.items():
+        got = actual[name]
+        assert np.all(np.isfinite(got)), (name, got)
+        assert np.all(got[~finite] == 0), (name, got)
+        # Normwise: a float32 gradient of size 1e8 (a KL against a -1e9 logit) carries
+        # rounding of about eps times that size in all its entries.
+        error = np.abs(got[finite] - value[finite])
+        scale = max(1.0, np.abs(value[finite]).max(initial=0.0))
+        assert np.all(error <= tolerance * scale), (name, got, value)
+
+
+def _probs_logits(probs: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore"):
+        return np.log(probs) - np.log1p(-probs)
+
+
+def _enumerated(probs, q_probs, k: int, z, weights) -> dict:
+    """The scalars whose derivatives in ``probs`` (and ``q_probs``) are tested, by
+    enumeration in float64."""
+    subsets, log_probs, _, mu, entropy = oracle.exact_enumeration(_probs_logits(probs), k)
+    q_subsets, q_log_probs, *_ = oracle.exact_enumeration(_probs_logits(q_probs), k)
+    q_of = {tuple(row): lp for row, lp in zip(q_subsets, q_log_probs, strict=True)}
+    p = np.exp(log_probs)
+    at = {tuple(row): lp for row, lp in zip(subsets, log_probs, strict=True)}
+    return {
+        "log_prob": at.get(tuple(z), -np.inf),
+        "log_constraint_prob": oracle.log_constraint_prob_by_enumeration(_probs_logits(probs), k),
+        "mean": mu @ weights,
+        "variance": (mu * (1 - mu)) @ weights,
+        "l2": p @ ((subsets - weights) ** 2).sum(1),
+        "entropy": entropy,
+        "kl": math.fsum(
+            pi * (lp - q_of[tuple(row)])
+            for pi, lp, row in zip(p, log_probs, subsets, strict=True)
+            if pi > 0
+        ),
+    }
+
+
+def _one_sided_derivatives(function, probs: np.ndarray, step: float = 1e-5) -> np.ndarray:
+    """d function / d probs_i: central differences inside (0, 1), and second-order one-sided
+    ones at an exact 0 (forward) or 1 (backward)."""
+    out = np.zeros(probs.shape[0])
+    for i, p in enumerate(probs):
+        direction = {0.0: 1.0, 1.0: -1.0}.get(float(p))
+
+        def at(t, i=i):
+            moved = probs.copy()
+            moved[i] = t
+            return function(moved)
+
+        if direction is None:
+            out[i] = (at(p + step) - at(p - step)) / (2 * step)
+        else:
+            h = direction * step
+            out[i] = (-3 * at(p) + 4 * at(p + h) - at(p + 2 * h)) / (2 * h)
+    return out
+
+
+def _probs_gradients(framework, dtype, probs, q_probs, q_same, k: int, z, weights) -> dict:
+    """The library's derivatives in ``probs``; ``kl``: of KL(p || q) in p, ``kl_q``: of
+    KL(p || q_same) in q_same."""
+    names = ["log_prob", "log_constraint_prob", "mean", "variance", "l2", "entropy", "kl"]
+    if framework == "torch":
+        from torch.distributions import kl_divergence
+
+        from pyro_constrained.losses import expected_l2_loss
+
+        def tensor(x):
+            return torch.tensor(np.asarray(x), dtype=getattr(torch, dtype))
+
+        def scalars(p, q):
+            d = TorchExactlyKBernoulli(probs=p, k=k)
+            q_probs_now = q if name == "kl_q" else tensor(q_probs)
+            return [
+                d.log_prob(tensor(z)),
+                d.log_constraint_prob(),
+                (d.mean * tensor(weights)).sum(),
+                (d.variance * tensor(weights)).sum(),
+                expected_l2_loss(d, tensor(weights)),
+                d.entropy(),
+                kl_divergence(d, TorchExactlyKBernoulli(probs=q_probs_now, k=k)),
+            ]
+
+        out = {}
+        for index, name in enumerate(names + ["kl_q"]):
+            p, q = tensor(probs).requires_grad_(), tensor(q_same).requires_grad_()
+            value = scalars(p, q)[min(index, len(names) - 1)]
+            grads = torch.autograd.grad(value, (p, q), allow_unused=True, materialize_grads=True)
+            out[name] = _numpy(grads[1] if name == "kl_q" else grads[0])
+        return out
+
+    from numpyro.distributions.kl import kl_divergence
+
+    from numpyro_constrained.losses import expected_l2_loss
+
+    def array(x):
+        return jnp.asarray(np.asarray(x), dtype=getattr(jnp, dtype))
+
+    def scalars(p, q):
+        d = JaxExactlyKBernoulli(probs=p, k=k)
+        values = [
+            d.log_prob(array(z)),
+            d.log_constraint_prob(),
+            (d.mean * array(weights)).sum(),
+            (d.variance * array(weights)).sum(),
+            expected_l2_loss(d, array(weights)),
+            d.entropy(),
+            kl_divergence(d, JaxExactlyKBernoulli(probs=array(q_probs), k=k)),
+            kl_divergence(d, JaxExactlyKBernoulli(probs=q, k=k)),
+        ]
+        return jnp.stack(values)
+
+    by_p, by_q = jax.jacrev(scalars, argnums=(0, 1))(array(probs), array(q_same))
+    out = {name: _numpy(row) for name, row in zip(names, by_p[: len(names)], strict=True)}
+    out["kl_q"] = _numpy(by_q[-1])
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("k", [1, 4])
+def test_probs_of_exactly_zero_and_one_have_their_one_sided_derivatives(framework, dtype, k):
+    """``probs`` with an exact 0 and an exact 1 (the everyday way to exclude or force an
+    item) gave NaN gradients. Every quantity is smooth in the odds there, so its derivative
+    is the one-sided one, here against one-sided differences of enumeration; the entropy's
+    (and the KL's in p) is infinite, as a Bernoulli's, where the variable could move: k = 1
+    leaves no one for the 0 to take (derivative 0 there), k = 4 needs the 1 (derivative 0
+    there). Infinite derivatives come as the dtype's largest
+    finite number with the limit's sign; a Jacobian of several outputs has no NaN."""
+    probs = np.array([0.0, 1.0, 0.3, 0.6, 0.2])
+    q_probs = np.array([0.4, 0.9, 0.5, 0.1, 0.7])  # no 0 or 1: KL(p || q) finite near p
+    q_same = np.array([0.0, 1.0, 0.5, 0.1, 0.7])
+    z = np.array([0.0, 1.0, 1.0, 1.0, 1.0])
+    z[2 : 2 + 4 - k] = 0.0  # the one, then k - 1 of the free ones
+    weights = np.array([0.5, -1.0, 2.0, 0.3, -0.7])
+    actual = _probs_gradients(framework, dtype, probs, q_probs, q_same, k, z, weights)
+    tolerance = {"float32": 1e-4, "float64": 1e-7}[dtype]
+    # An infinite one-sided derivative is given as the dtype's largest finite number (a
+    # true infinity would make a zero cotangent NaN).
+    largest = float(np.finfo(dtype).max)
+    for name in ["log_prob", "log_constraint_prob", "mean", "variance", "l2", "kl", "kl_q"]:
+        if name == "kl_q":
+            expected = _one_sided_derivatives(
+                lambda q: _enumerated(probs, q, k, z, weights)["kl"], q_same
+            )
+        else:
+            expected = _one_sided_derivatives(
+                lambda p, name=name: _enumerated(p, q_probs, k, z, weights)[name], probs
+            )
+        got = actual[name]
+        assert not np.any(np.isnan(got)), (name, got)
+        if name == "kl":  # p's 0 and 1: -H(p)'s infinite slope, or 0 where it cannot move
+            moves = np.array([k >= 2, k <= 3])  # can the 0, the 1 move
+            assert np.all(np.where(moves, expected[:2] * [-1, 1] > 0, True))  # the signs
+            expected[:2] = np.where(moves, [-largest, largest], 0.0)
+        exact = np.abs(expected) == largest
+        scale = max(1.0, np.abs(expected[~exact]).max())
+        error = np.where(exact & (got == expected), 0.0, np.abs(got - expected))
+        assert np.all(error <= tolerance * scale), (name, got, expected)
+    entropy = actual["entropy"]
+    assert entropy[0] == (largest if k >= 2 else 0.0), entropy
+    assert entropy[1] == (-largest if k <= 3 else 0.0), entropy
+    expected = _one_sided_derivatives(
+        lambda p: _enumerated(p, q_probs, k, z, weights)["entropy"], probs
+    )
+    assert np.all(
+        np.abs(entropy[2:] - expected[2:]) <= tolerance * max(1.0, np.abs(expected[2:]).max())
+    )
+
+
+def test_float32_with_x64_off_keeps_the_float32_guarantees():
+    """NumPyro's default (x64 off): the float32 parts had no float64 to accumulate in, and
+    log_constraint_prob at n = 1e4, k = n / 2 was 3.7e-5 off (relative) where 1e-5 is
+    promised, and the KL of two close distributions 5e-4 off at n = 1e4 (4.8e-5 at n = 1000,
+    a KL of 1e-4), the size of one float32 rounding of a cross-entropy. References: the
+    float64 log-space recursion, and Pyro in float64."""
+    rng = np.random.default_rng(29)
+    n = 10000
+    logits = rng.normal(size=n).astype(np.float32)
+    ks = np.array([1, 2500, 4999, 5000, 5001, 9999])
+    expected = _log_poisson_binomial(logits.astype(np.float64))[ks]
+    m = 1000
+    small = logits[:m]
+    close = (small + 1e-3 * rng.normal(size=m)).astype(np.float32)
+    z = np.zeros(m, np.float32)
+    z[np.argsort(-small)[: m // 2]] = 1.0
+    p64 = TorchExactlyKBernoulli(logits=torch.tensor(small, dtype=torch.float64), k=m // 2)
+    q64 = TorchExactlyKBernoulli(logits=torch.tensor(close, dtype=torch.float64), k=m // 2)
+    with jax.enable_x64(False):
+        d = JaxExactlyKBernoulli(logits=jnp.asarray(logits), k=jnp.asarray(ks)[:, None])
+        actual = _numpy(d.log_constraint_prob())[:, 0]
+        p = JaxExactlyKBernoulli(logits=jnp.asarray(small), k=m // 2)
+        q = JaxExactlyKBernoulli(logits=jnp.asarray(close), k=m // 2)
+        from numpyro.distributions.kl import kl_divergence
+
+        kl = float(kl_divergence(p, q))
+        entropy, log_prob = float(p.entropy()), float(p.log_prob(jnp.asarray(z)))
+        mean = _numpy(p.mean)
+    relative = np.abs(actual - expected) / np.abs(expected)
+    assert relative.max() <= 1e-5, relative
+    # The float32 tolerance of the enumeration tests, relative to max(1, |x|).
+    expected_kl = float(torch.distributions.kl_divergence(p64, q64))
+    assert abs(kl - expected_kl) <= 2e-5 * max(1.0, abs(expected_kl)), (kl, expected_kl)
+    assert abs(kl - expected_kl) <= 0.05 * expected_kl, (kl, expected_kl)
+    assert _close(entropy, float(p64.entropy()), 2e-5)
+    assert _close(log_prob, float(p64.log_prob(torch.tensor(z, dtype=torch.float64))), 2e-5)
+    assert np.abs(mean - _numpy(p64.mean)).max() <= 2e-5
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_boolean_k_hot_values_are_in_the_support(framework):
+    """Pyro cast k to the value's dtype in the support check, so k = 2 became True and a
+    valid boolean 2-hot value was rejected."""
+    logits = np.array([0.5, 0.0, 1.0, -1.0])
+    value = np.array([[True, False, True, False], [True, True, True, False]])
+    expected = oracle.exact_enumeration(logits, 2)
+    subsets, log_probs = expected[0], expected[1]
+    reference = log_probs[[tuple(row) for row in subsets].index((1.0, 0.0, 1.0, 0.0))]
+    if framework == "torch":
+        d = TorchExactlyKBernoulli(logits=torch.tensor(logits), k=2, validate_args=True)
+        assert abs(float(d.log_prob(torch.tensor(value[0]))) - reference) <= 1e-12
+        assert bool(d.support.check(torch.tensor(value[0])))
+        assert not bool(d.support.check(torch.tensor(value[1])))
+        with pytest.raises(ValueError):
+            d.log_prob(torch.tensor(value[1]))
+    else:
+        d = JaxExactlyKBernoulli(logits=jnp.asarray(logits), k=2, validate_args=True)
+        assert abs(float(d.log_prob(jnp.asarray(value[0]))) - reference) <= 1e-12
+        assert bool(d.support(jnp.asarray(value[0])))
+        assert not bool(d.support(jnp.asarray(value[1])))
+        with pytest.warns(UserWarning, match="Out-of-support"):
+            assert float(d.log_prob(jnp.asarray(value[1]))) == -np.inf
