@@ -81,14 +81,16 @@ def _row_terms(theta, c):
 def _window_pass(theta, padded, target, k_max: int):
     """One tilted upward pass over ``padded`` (``theta`` padded with ``-inf`` to the kernels'
     bucket): (log P(K = j), root / its largest entry), both (rows, width), and the tilt."""
-    _, c, _, root, _, log_scale, _ = kernels._prepare(padded, target, k_max, False)
+    _, c, _, root, _, exponent, _ = kernels._prepare(padded, target, k_max, False)
     wide = kernels.wide_dtype(theta.dtype)
+    # The upward pass rescales its tables by powers of two: exponent is their base-2 sum.
+    log_scale = exponent.astype(wide) * np.log(2.0)
     root = root.astype(wide)
     ratio = root / jnp.maximum(root.max(-1, keepdims=True), jnp.finfo(wide).tiny)
     c = c.astype(wide)
     j = jnp.arange(root.shape[-1], dtype=wide)
     on, rest = _row_terms(theta.astype(wide), c)
-    terms = log_scale.astype(wide) + rest
+    terms = log_scale + rest
     log_p = jnp.log(root) + terms[:, None] + c[:, None] * (on[:, None] - j)
     return log_p, ratio, c
 
