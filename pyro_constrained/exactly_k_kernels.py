@@ -140,6 +140,20 @@ def _in_place_allowed() -> bool:
     return not torch.jit.is_tracing()
 
 
+def _static_control_flow() -> bool:
+    """Whether Python may not branch on tensor values here: under ``torch.jit.trace`` (Pyro's
+    ``JitTrace*_ELBO``) the branch taken on the first call would be replayed for every later
+    input, and under ``torch.compile`` it breaks the graph. Such code takes branch-free forms
+    with the same values: both sides computed and selected by ``torch.where``, iterations
+    run to their fixed bound instead of stopping when converged."""
+    return torch.jit.is_tracing() or _is_compiling()
+
+
+def _is_compiling() -> bool:
+    is_compiling = getattr(torch.compiler, "is_compiling", None)  # torch >= 2.3
+    return bool(is_compiling()) if is_compiling is not None else False
+
+
 def tilt(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """A constant c per batch element (shape ``batch + (1,)``, no gradient) with
     ``sum_i sigmoid(logits_i + c) ~= k``, for any finite logits however large.
@@ -171,6 +185,12 @@ def tilt(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         high = torch.where(num_finite > 0, center - smallest, 0.0)
         c, settled = _newton(logits, target, low, high, 0.5 * (low + high), _TILT_STEPS)
         unsettled = ~settled & (num_finite[:, 0] > 1)
+        if _static_control_flow():
+            # Every row restarts and keeps the restart where it did not settle: the same
+            # values as below, without reading the mask in Python (a trace would replay
+            # the first call's choice for every later input).
+            restarted = _restart_tilt(logits, target, num_finite)
+            return torch.where(unsettled[:, None], restarted, c)
         if bool(unsettled.any()):
             rows = unsettled.nonzero()[:, 0]
             restarted = _restart_tilt(logits[rows], target[rows], num_finite[rows])
@@ -194,7 +214,7 @@ def _newton(logits, target, low, high, c, max_steps: int):
     # One buffer for all steps (fresh multi-megabyte tensors cost page faults); sums in
     # float64, so that n - f keeps its precision when f is close to n.
     # Out of place under torch.jit.trace (see _in_place_allowed).
-    tracing = not _in_place_allowed()
+    tracing = _static_control_flow()
     on = None if tracing else torch.empty_like(logits)
     for _ in range(max_steps):
         if tracing:
@@ -218,7 +238,12 @@ def _newton(logits, target, low, high, c, max_steps: int):
         c = c + step
         # The tables only need c to within a small fraction of a unit of log-odds.
         settled = (step.abs() <= _TILT_TOLERANCE) & (slope >= _TILT_FLAT)
-        if bool(((step.abs() <= _TILT_TOLERANCE) | (high - low <= _TILT_TOLERANCE)).all()):
+        # Traced or compiled code takes every step (max_steps is the bound the eager
+        # iteration is allowed as well; a converged row's further steps stay below the
+        # tolerance, inside its bracket).
+        if not tracing and bool(
+            ((step.abs() <= _TILT_TOLERANCE) | (high - low <= _TILT_TOLERANCE)).all()
+        ):
             break
     return c, settled[:, 0]
 
@@ -628,9 +653,9 @@ def _use_fft(x: torch.Tensor, k_max: int) -> bool:
     """Whether the wide levels go by FFT: only when some level is at least ``_FFT_WIDTH``
     wide and every row's tilted count variance ``sum_i sigmoid(x_i) sigmoid(-x_i)`` is at
     least ``_FFT_MIN_VARIANCE`` (see "FFT path" in the module docstring)."""
-    if torch.jit.is_tracing():
+    if _static_control_flow():
         # A trace would bake this data-dependent choice in for every later input, among
-        # them nearly deterministic ones: traced code (the JitTrace*_ELBOs) stays direct.
+        # them nearly deterministic ones: traced and compiled code stays direct.
         return False
     widest = min(k_max, 2 ** (int(x.shape[-1]) - 1).bit_length()) + 1
     if widest < _fft_width(x.dtype) or x.shape[0] == 0:
