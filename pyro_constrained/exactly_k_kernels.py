@@ -88,7 +88,8 @@ Storage and arithmetic, chosen by measurement (benchmarks/README.md):
   fresh array is tens of megabytes, and every pass over one is memory-bound.
 """
 
-from functools import partial
+import warnings
+from functools import partial, wraps
 from typing import NamedTuple
 
 import torch
@@ -152,6 +153,24 @@ def _static_control_flow() -> bool:
 def _is_compiling() -> bool:
     is_compiling = getattr(torch.compiler, "is_compiling", None)  # torch >= 2.3
     return bool(is_compiling()) if is_compiling is not None else False
+
+
+def _sizes_only(function):
+    """``function`` with torch's TracerWarnings silenced while it is traced. Under
+    ``torch.jit.trace`` a tensor's sizes are traced values, and reading one as a Python int
+    or bool warns; the kernels' remaining Python conditions read sizes only (the tree's
+    shape follows n, k_max and the batch size, which a trace fixes anyway), never values
+    (those are ``_static_control_flow``'s forms), so the warnings would only be noise."""
+
+    @wraps(function)
+    def wrapper(*args, **kwargs):
+        if not torch.jit.is_tracing():
+            return function(*args, **kwargs)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
+            return function(*args, **kwargs)
+
+    return wrapper
 
 
 def tilt(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -683,6 +702,7 @@ class NormalizerParts(NamedTuple):
     log_reduced: torch.Tensor
 
 
+@_sizes_only
 def normalizer_parts(logits: torch.Tensor, k: torch.Tensor, k_max: int) -> NormalizerParts:
     """The parts of ``log e_k(exp logits)`` (see ``NormalizerParts``), from one upward pass."""
     with torch.no_grad():
@@ -786,11 +806,20 @@ class _LogNormalizer(torch.autograd.Function):
     (create_graph=True)."""
 
     @staticmethod
-    def forward(ctx, logits, k, k_max, tilt, log_reduced):
-        ctx.save_for_backward(logits, k)
-        ctx.k_max = k_max
+    def forward(logits, k, k_max, tilt, log_reduced):
         value = log_normalizer_value(logits, k, NormalizerParts(tilt, log_reduced))
         return value.to(logits.dtype)
+
+    # A separate setup_context is what torch.func transforms (grad, jacrev) require; the
+    # forward is plain tensor operations, so vmap can batch it (over a log_prob's values:
+    # vmap over the logits stops earlier, at the table size, a Python int).
+    generate_vmap_rule = True
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        logits, k, k_max = inputs[:3]
+        ctx.save_for_backward(logits, k)
+        ctx.k_max = k_max
 
     @staticmethod
     def backward(ctx, grad):
@@ -810,6 +839,7 @@ def log_normalizer(
     return _LogNormalizer.apply(logits, k, k_max, parts.tilt, parts.log_reduced)
 
 
+@_sizes_only
 def marginals(logits: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tensor:
     """mu_i = P(z_i = 1 | sum z = k) = d log e_k(exp logits) / d logits_i, shape
     ``batch + (n,)``; differentiable again when ``logits`` requires grad."""
@@ -819,6 +849,7 @@ def marginals(logits: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tensor
     return _marginals_from(flat_k, weights, root, levels).reshape(logits.shape)
 
 
+@_sizes_only
 def marginals_and_complements(
     logits: torch.Tensor, k: torch.Tensor, k_max: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -910,6 +941,7 @@ def _sample_and_maybe_marginals(logits, k, k_max, sample_shape, with_marginals):
     return z, mu
 
 
+@_sizes_only
 def sample(
     logits: torch.Tensor, k: torch.Tensor, k_max: int, sample_shape: tuple[int, ...] = ()
 ) -> torch.Tensor:
@@ -919,6 +951,7 @@ def sample(
         return _sample_and_maybe_marginals(logits.detach(), k, k_max, sample_shape, False)[0]
 
 
+@_sizes_only
 def sample_and_marginals(
     logits: torch.Tensor, k: torch.Tensor, k_max: int, sample_shape: tuple[int, ...] = ()
 ) -> tuple[torch.Tensor, torch.Tensor]:
