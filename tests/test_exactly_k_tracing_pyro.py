@@ -59,6 +59,8 @@ def _changed(kind):
         logits[4:] = -50.0
     elif kind == "masked -1e4":
         logits[4:] = -1e4
+    elif kind == "masked -1e9":
+        logits[3:] = -1e9
     elif kind == "forced +1e4":
         logits[:2] = 1e4
     elif kind == "shifted +1e3":
@@ -69,7 +71,7 @@ def _changed(kind):
     return logits
 
 
-KINDS = ["masked -50", "masked -1e4", "forced +1e4", "shifted +1e3", "gap"]
+KINDS = ["masked -50", "masked -1e4", "masked -1e9", "forced +1e4", "shifted +1e3", "gap"]
 
 
 def _no_library_tracer_warnings():
