@@ -9,6 +9,8 @@ validation, shapes and the framework's protocols.
 """
 
 import math
+import warnings
+from contextlib import contextmanager, nullcontext
 from typing import NamedTuple
 
 import torch
@@ -71,7 +73,24 @@ def _as_k(k, logits: torch.Tensor) -> torch.Tensor:
     ``ValueError``). Torch values are always concrete, so a float k is checked entry by
     entry and its whole numbers converted exactly."""
     check_count(k, concrete=True, name="k")
-    return torch.as_tensor(k, device=logits.device).to(torch.long)
+    if isinstance(k, torch.Tensor):
+        return k.to(device=logits.device, dtype=torch.long)
+    with _static_under_trace():  # a Python number is a constant of the trace
+        return torch.as_tensor(k, device=logits.device).to(torch.long)
+
+
+@contextmanager
+def _static_under_trace():
+    """Silences torch's TracerWarnings around code that reads only static information
+    (sizes, which a trace fixes, and a ``k`` given as Python numbers, a constant of the
+    trace). Python branches on values that can change between calls (the logits) must not
+    be inside: under ``torch.jit.trace`` such code takes branch-free forms instead."""
+    if not torch.jit.is_tracing():
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
+        yield
 
 
 def _value_with_gradient_of(value: torch.Tensor, formula: torch.Tensor) -> torch.Tensor:
@@ -234,15 +253,18 @@ class ExactlyKBernoulli(TorchDistribution):
         if (logits is None) == (probs is None):
             raise ValueError("ExactlyKBernoulli: give exactly one of `logits` or `probs`")
         self.k_max = check_static_bound(k_max)
+        self._k_is_constant = not isinstance(k, torch.Tensor)
         if probs is not None:
-            probs = torch.as_tensor(probs)
+            if not isinstance(probs, torch.Tensor):
+                probs = torch.as_tensor(probs)
             if not probs.is_floating_point():
                 probs = probs.to(torch.get_default_dtype())
             if probs.dim() < 1:
                 raise ValueError("probs must have at least one dimension (the n variables)")
             logits = _logits_from_probs(probs)
         else:
-            logits = torch.as_tensor(logits)
+            if not isinstance(logits, torch.Tensor):
+                logits = torch.as_tensor(logits)
             if not logits.is_floating_point():
                 logits = logits.to(torch.get_default_dtype())
             if logits.dim() < 1:
@@ -264,24 +286,30 @@ class ExactlyKBernoulli(TorchDistribution):
         # Before Distribution.__init__, whose checks of arg_constraints give less specific
         # messages.
         validate = Distribution._validate_args if validate_args is None else validate_args
-        self._check_k(validate)
+        self._check_k(validate, self._k_is_constant)
         super().__init__(batch_shape, event_shape, validate_args=validate_args)
 
-    def _check_k(self, validate: bool) -> None:
+    def _check_k(self, validate: bool, k_is_constant: bool = False) -> None:
         """k not above ``k_max`` (always a ``ValueError``); with validation on, k in 0..n and
         feasible with the infinite logits (``ValueError`` otherwise). Sets ``_table_size``
         (the kernels' table size, the largest count among the free variables) and, with
         validation off, marks the batch elements whose constraint is impossible: their
         log-probabilities are ``-inf``."""
-        n = self.logits.shape[-1]
-        if self.k_max is not None and self.k.numel() and self.k.max() > self.k_max:
-            raise ValueError(f"k must be at most k_max = {self.k_max}, got {int(self.k.max())}")
+        with _static_under_trace():
+            n = int(self.logits.shape[-1])
+        # Under torch.jit.trace, checks of a k given as Python numbers read a constant.
+        static = _static_under_trace if k_is_constant else nullcontext
+        with static():
+            if self.k_max is not None and self.k.numel() and self.k.max() > self.k_max:
+                raise ValueError(f"k must be at most k_max = {self.k_max}, got {int(self.k.max())}")
         with torch.no_grad():
             forced_on = (self.logits == torch.inf).sum(-1)
             forced_off = (self.logits == -torch.inf).sum(-1)
             infeasible = (self.k < forced_on) | (self.k > n - forced_off)
         if validate:
-            if self.k.numel() and (self.k.min() < 0 or self.k.max() > n):
+            with static():
+                k_out_of_range = self.k.numel() and (self.k.min() < 0 or self.k.max() > n)
+            if k_out_of_range:
                 raise ValueError(f"k must be in 0..n = 0..{n}, got {self.k.unique().tolist()}")
             if infeasible.any():
                 raise ValueError(
@@ -290,8 +318,24 @@ class ExactlyKBernoulli(TorchDistribution):
                     "-inf (probs = 0)"
                 )
         self._infeasible = infeasible
+        if torch.jit.is_tracing():
+            # The table size is a shape, fixed in a trace: it must not follow the number of
+            # +inf logits on the first call. k_max bounds a traced k; a constant k its own.
+            with static():
+                empty = not self.k.numel()
+                largest = self.k_max if self.k_max is not None or empty else int(self.k.max())
+            self._table_size = 0 if empty else min(largest, n)
+            return
         k_free = (self.k - forced_on).clamp(min=0)
-        self._table_size = int(k_free.max().clamp(max=n)) if self.k.numel() else 0
+        try:
+            self._table_size = int(k_free.max().clamp(max=n)) if self.k.numel() else 0
+        except RuntimeError as error:  # torch.func.vmap cannot read a batched value
+            raise RuntimeError(
+                "ExactlyKBernoulli sizes its tables by the largest k among the free variables, "
+                "a Python int read from k and the +inf logits, which torch.func.vmap over the "
+                "logits or k cannot provide: give the distribution the batch of logits instead "
+                "(it is batched natively); vmap over log_prob's values works"
+            ) from error
 
     @constraints.dependent_property(is_discrete=True, event_dim=1)
     def support(self) -> KHot:
@@ -347,7 +391,9 @@ class ExactlyKBernoulli(TorchDistribution):
         if not self._from_probs or probs is None or not probs.requires_grad:
             return None
         off, on = probs == 0, probs == 1
-        if not bool((off | on).any()):
+        # Under torch.jit.trace the tangents are always built (zero where no prob is 0 or 1):
+        # skipping them would freeze the first call's answer.
+        if not torch.jit.is_tracing() and not bool((off | on).any()):
             return None
         # Differentiable coefficients (log_normalizer's gradient is the marginals), so that
         # mixed second derivatives with an interior prob are right.
@@ -503,9 +549,10 @@ class ExactlyKBernoulli(TorchDistribution):
 
         The value is computed from the tilted logits (``kernels.log_prob_value``), exact to
         the dtype's precision for logits of any size; the gradient is that of the formula."""
-        check_value_shape(
-            tuple(value.shape), self.batch_shape, self.event_shape, "ExactlyKBernoulli.log_prob"
-        )
+        with _static_under_trace():  # sizes only, which a trace fixes
+            check_value_shape(
+                tuple(value.shape), self.batch_shape, self.event_shape, "ExactlyKBernoulli.log_prob"
+            )
         if self._validate_args:
             self._validate_sample(value)
         possible = self.support.check(value) & self._respects_infinite_logits(value)
@@ -522,7 +569,8 @@ class ExactlyKBernoulli(TorchDistribution):
         self._check_can_sample()
         with torch.no_grad():
             z = kernels.sample(self._kernel_logits, self._k_free, self._table_size, sample_shape)
-            return torch.where(self._forced_on, torch.ones_like(z), z)
+            z = torch.where(self._forced_on, torch.ones_like(z), z)
+            return torch.where(self._infeasible[..., None], torch.nan, z)
 
     def rsample(self, sample_shape: tuple[int, ...] = ()) -> torch.Tensor:
         """An exact sample ``z`` with the straight-through marginal gradient:
@@ -532,11 +580,14 @@ class ExactlyKBernoulli(TorchDistribution):
             self._kernel_logits, self._k_free, self._table_size, sample_shape
         )
         z = torch.where(self._forced_on, torch.ones_like(z), z.detach())
+        z = torch.where(self._infeasible[..., None], torch.nan, z)
         mu = self._complete(free, 1.0, 0.0, 0.0)
         return z + (mu - mu.detach())
 
     def _check_can_sample(self) -> None:
-        if self._infeasible.any():
+        # Under torch.jit.trace this check would be frozen at its first outcome (a Python
+        # branch on the logits): traced samples of an impossible constraint are NaN instead.
+        if not torch.jit.is_tracing() and self._infeasible.any():
             raise ValueError(
                 "ExactlyKBernoulli.sample: the constraint is impossible for some batch element "
                 "(k outside 0..n, or infinite logits that rule out every k-hot vector)"
@@ -586,6 +637,7 @@ class ExactlyKBernoulli(TorchDistribution):
             new.probs = self.probs.expand(batch_shape + self.event_shape)
         new.k = self.k.expand(batch_shape)
         new._from_probs = self._from_probs
+        new._k_is_constant = self._k_is_constant
         new._table_size = self._table_size
         new.k_max = self.k_max
         new._infeasible = self._infeasible.expand(batch_shape)
@@ -611,9 +663,14 @@ def _kl_exactly_k_bernoulli(p: ExactlyKBernoulli, q: ExactlyKBernoulli) -> torch
     logits; ``+inf`` where p puts mass on a vector that q forbids. Evaluated as the
     difference of two cross-entropies of the tilted logits (``kernels.cross_entropy_value``),
     exactly 0 for p = q and exact for logits of any size; the gradient is the formula's."""
-    if p.event_shape != q.event_shape:
+    with _static_under_trace():  # sizes, which a trace fixes
+        same_n = p.event_shape == q.event_shape
+    if not same_n:
         raise ValueError(f"KL needs the same n, got {p.event_shape[0]} and {q.event_shape[0]}")
-    if not torch.equal(*torch.broadcast_tensors(p.k, q.k)):
+    constant_k = p._k_is_constant and q._k_is_constant
+    with _static_under_trace() if constant_k else nullcontext():
+        same_k = torch.equal(*torch.broadcast_tensors(p.k, q.k))
+    if not same_k:
         raise ValueError("KL between ExactlyKBernoulli needs the same k")
     mu, complement = p._marginal_pair
     cross = kernels.cross_entropy_value(q._kernel_logits, q._normalizer_parts, mu, complement)
