@@ -19,7 +19,7 @@ import numpy as np
 from jax import lax
 from jax.scipy.special import gammaln, logsumexp
 from numpyro.distributions import Binomial, constraints
-from numpyro.distributions.batch_util import _default_vmap_over, vmap_over
+from numpyro.distributions.batch_util import vmap_over
 from numpyro.distributions.distribution import Distribution
 from numpyro.distributions.kl import kl_divergence
 from numpyro.util import not_jax_tracer
@@ -37,8 +37,9 @@ from constrained_ppl.exact_integers import (
     check_total_in_exact_range,
     largest_exact_integer,
 )
+from numpyro_constrained._compat import refuse_scalar_coordinate_consumers
 from numpyro_constrained._repr import parameters_repr
-from numpyro_constrained.exactly_k_bernoulli import refuse_scalar_coordinate_consumers
+from numpyro_constrained._vmap import vmap_over_broadcast_leaves
 from numpyro_constrained.validation import as_concrete_where_possible, warn_if_out_of_support
 
 __all__ = ["ConditionedPoisson", "integer_composition", "positive_finite"]
@@ -854,7 +855,8 @@ def _largest_finite(k: np.ndarray) -> int | None:
 
 @vmap_over.register
 def _vmap_over_conditioned_poisson(dist: ConditionedPoisson, rate=None, k=None):
-    return _default_vmap_over(dist, rate=rate, k=k)
+    # rate and k are both stored broadcast to the batch shape: a mapped batch axis maps both.
+    return vmap_over_broadcast_leaves(dist, rate=rate, k=k)
 
 
 @kl_divergence.register(ConditionedPoisson, ConditionedPoisson)
