@@ -37,9 +37,9 @@ from constrained_ppl.exact_integers import (
     check_total_in_exact_range,
     largest_exact_integer,
 )
+from numpyro_constrained._batching import check_expand, vmap_over_broadcast_leaves
 from numpyro_constrained._compat import refuse_scalar_coordinate_consumers
 from numpyro_constrained._repr import parameters_repr
-from numpyro_constrained._vmap import vmap_over_broadcast_leaves
 from numpyro_constrained.validation import as_concrete_where_possible, warn_if_out_of_support
 
 __all__ = ["ConditionedPoisson", "integer_composition", "positive_finite"]
@@ -582,6 +582,7 @@ class ConditionedPoisson(Distribution):
         batch_shape = tuple(batch_shape)
         if batch_shape == self.batch_shape:
             return self
+        check_expand(self.batch_shape, batch_shape)
         new = ConditionedPoisson.__new__(ConditionedPoisson)
         new.rate = jnp.broadcast_to(self.rate, batch_shape + self.event_shape)
         new.k = jnp.broadcast_to(self.k, batch_shape)

@@ -30,9 +30,9 @@ from constrained_ppl.arguments import (
 )
 from constrained_ppl.enumeration import check_support_size, k_hot_table, single_count
 from numpyro_constrained import exactly_k_kernels as kernels
+from numpyro_constrained._batching import check_expand, vmap_over_broadcast_leaves
 from numpyro_constrained._compat import refuse_scalar_coordinate_consumers
 from numpyro_constrained._repr import parameters_repr
-from numpyro_constrained._vmap import vmap_over_broadcast_leaves
 from numpyro_constrained.validation import (
     as_concrete_where_possible,
     is_concrete,
@@ -468,6 +468,7 @@ class ExactlyKBernoulli(Distribution):
         batch_shape = tuple(batch_shape)
         if batch_shape == self.batch_shape:
             return self
+        check_expand(self.batch_shape, batch_shape)
         new = type(self).__new__(type(self))
         new.logits = jnp.broadcast_to(self.logits, batch_shape + self.event_shape)
         new.probs = jnp.broadcast_to(self.probs, batch_shape + self.event_shape)

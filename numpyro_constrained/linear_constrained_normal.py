@@ -29,6 +29,7 @@ from numpyro.distributions.transforms import Transform, biject_to
 from numpyro.util import not_jax_tracer
 
 from constrained_ppl.arguments import check_value_shape, keyword_only
+from numpyro_constrained._batching import check_expand
 from numpyro_constrained._compat import default_validate_args
 from numpyro_constrained._repr import parameters_repr
 from numpyro_constrained.linear_constraint import (
@@ -838,6 +839,7 @@ class LinearConstrainedNormal(Distribution):
         batch_shape = tuple(batch_shape)
         if batch_shape == self.batch_shape:
             return self
+        check_expand(self.batch_shape, batch_shape)
         new = copy.copy(self)
         event = self.event_shape
         new.loc = jnp.broadcast_to(self.loc, batch_shape + event)

@@ -56,3 +56,29 @@ def test_mapping_two_parameters_over_different_batch_axes_is_an_error():
         vmap_over(d, logits=0, k=1)
     with pytest.raises(ValueError, match="non-negative"):
         vmap_over(d, logits=-2)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: ExactlyKBernoulli(jnp.zeros((2, 4)), k=1),
+        lambda: ConditionedPoisson(jnp.ones((2, 4)), k=3),
+        lambda: LinearConstrainedNormal(jnp.zeros((2, 3)), jnp.ones(3)),
+    ],
+    ids=["ekb", "cp", "lcn"],
+)
+@pytest.mark.parametrize("shape", [(3,), (1,), ()])
+def test_an_impossible_expand_raises_numpyros_message(make, shape):
+    """NumPyro's own message, as ``Normal(zeros(2), 1).expand(shape)`` raises it."""
+    import numpyro.distributions as dist
+
+    with pytest.raises(ValueError) as reference:
+        dist.Normal(jnp.zeros(2), 1.0).expand(shape)
+    with pytest.raises(ValueError) as error:
+        make().expand(shape)
+    assert str(error.value) == str(reference.value)
+
+
+def test_a_possible_expand_still_works():
+    d = ExactlyKBernoulli(jnp.zeros((1, 4)), k=1).expand((5, 3))
+    assert d.batch_shape == (5, 3) and d.logits.shape == (5, 3, 4)

@@ -1,4 +1,5 @@
-"""``vmap_over`` for distributions whose leaves are all stored broadcast to the batch shape."""
+"""Batch-shape rules shared by the NumPyro classes: ``vmap_over`` for distributions whose
+leaves are all stored broadcast to the batch shape, and the check of ``expand``."""
 
 from __future__ import annotations
 
@@ -37,3 +38,17 @@ def vmap_over_broadcast_leaves(dist: Distribution, **axes: int | None) -> Distri
             )
         axes = dict.fromkeys(axes, next(iter(given.values())))
     return vmap_over.dispatch(Distribution)(dist, **axes)
+
+
+def check_expand(batch_shape: tuple[int, ...], new_shape: tuple[int, ...]) -> None:
+    """NumPyro's error for an ``expand`` to a batch shape that ``batch_shape`` does not
+    broadcast to (the message of ``Distribution.expand``): a new shape must keep every
+    existing dimension, or replace a dimension of size 1."""
+    compatible = len(new_shape) >= len(batch_shape) and all(
+        old in (1, new)
+        for old, new in zip(reversed(batch_shape), reversed(new_shape), strict=False)
+    )
+    if not compatible:
+        raise ValueError(
+            f"Cannot broadcast distribution of shape {batch_shape} to shape {new_shape}"
+        )
