@@ -16,7 +16,7 @@ import inspect
 # Relies on: NumPyro has no hook telling a distribution who enumerates it, so the caller is
 # recognised by the module and function names of the frames above ``enumerate_support``.
 # numpyro 0.22: ``numpyro.infer.gibbs.discrete_support_sizes`` (DiscreteHMCGibbs and
-# MixedHMC size their one-coordinate-at-a-time proposals with it; before 0.19 it lived in
+# MixedHMC size their one-coordinate-at-a-time proposals with it; older releases had it in
 # ``numpyro.infer.hmc_gibbs``) and ``numpyro.contrib.funsor.enum_messenger``'s
 # ``enum.process_message`` (replaces the value by the index ``arange(size)``), each calling
 # ``fn.enumerate_support(False)`` directly. If NumPyro renames or moves them, the guard stops
@@ -72,10 +72,10 @@ def refuse_scalar_coordinate_consumers(name: str, depth: int = 8) -> None:
 # The default of ``validate_args``.
 #
 # Relies on: ``numpyro.enable_validation`` / ``Distribution.set_default_validate_args``
-# storing the default in the class attribute ``Distribution._validate_args`` (numpyro 0.15 to
-# 0.22), which NumPyro offers no getter for. A constructor that validates its arguments
-# itself, before ``Distribution.__init__``, needs it. The compat test checks that it follows
-# ``numpyro.enable_validation``.
+# storing the default in the class attribute ``Distribution._validate_args`` (numpyro
+# 0.22; older releases not checked here), which NumPyro offers no getter for. A
+# constructor that validates its arguments itself, before ``Distribution.__init__``, needs
+# it. The compat test checks that it follows ``numpyro.enable_validation``.
 # ---------------------------------------------------------------------------------------
 
 
