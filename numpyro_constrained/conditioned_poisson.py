@@ -19,7 +19,7 @@ import numpy as np
 from jax import lax
 from jax.scipy.special import digamma, gammaln, logsumexp
 from numpyro.distributions import Binomial, constraints
-from numpyro.distributions.batch_util import _default_vmap_over, vmap_over
+from numpyro.distributions.batch_util import vmap_over
 from numpyro.distributions.distribution import Distribution
 from numpyro.distributions.kl import kl_divergence
 from numpyro.util import not_jax_tracer
@@ -45,8 +45,9 @@ from constrained_ppl.stirling import (
     STIRLING_SERIES,
     STIRLING_TABLE_MAX,
 )
+from numpyro_constrained._batching import check_expand, vmap_over_broadcast_leaves
+from numpyro_constrained._compat import refuse_scalar_coordinate_consumers
 from numpyro_constrained._repr import parameters_repr
-from numpyro_constrained.exactly_k_bernoulli import refuse_scalar_coordinate_consumers
 from numpyro_constrained.validation import as_concrete_where_possible, warn_if_out_of_support
 
 __all__ = ["ConditionedPoisson", "integer_composition", "positive_finite"]
@@ -775,6 +776,7 @@ class ConditionedPoisson(Distribution):
         batch_shape = tuple(batch_shape)
         if batch_shape == self.batch_shape:
             return self
+        check_expand(self.batch_shape, batch_shape)
         new = ConditionedPoisson.__new__(ConditionedPoisson)
         new.rate = jnp.broadcast_to(self.rate, batch_shape + self.event_shape)
         new.k = jnp.broadcast_to(self.k, batch_shape)
@@ -1046,7 +1048,8 @@ def _largest_finite(k: np.ndarray) -> int | None:
 
 @vmap_over.register
 def _vmap_over_conditioned_poisson(dist: ConditionedPoisson, rate=None, k=None):
-    return _default_vmap_over(dist, rate=rate, k=k)
+    # rate and k are both stored broadcast to the batch shape: a mapped batch axis maps both.
+    return vmap_over_broadcast_leaves(dist, rate=rate, k=k)
 
 
 # sum_{m >= 2} (m - 1) / m! d^(m - 2), the series of ((d - 1) e^d + 1) / d^2, to the term whose

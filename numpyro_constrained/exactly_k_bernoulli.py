@@ -9,7 +9,6 @@ logits, validation, shapes and the framework's protocols (pytree, ``vmap_over``,
 """
 
 import math
-import sys
 from functools import partial
 from typing import NamedTuple
 
@@ -18,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from numpyro.distributions import Bernoulli, constraints
-from numpyro.distributions.batch_util import _default_vmap_over, vmap_over
+from numpyro.distributions.batch_util import vmap_over
 from numpyro.distributions.distribution import Distribution
 from numpyro.distributions.kl import kl_divergence
 from numpyro.util import not_jax_tracer
@@ -31,6 +30,8 @@ from constrained_ppl.arguments import (
 )
 from constrained_ppl.enumeration import check_support_size, k_hot_table, single_count
 from numpyro_constrained import exactly_k_kernels as kernels
+from numpyro_constrained._batching import check_expand, vmap_over_broadcast_leaves
+from numpyro_constrained._compat import refuse_scalar_coordinate_consumers
 from numpyro_constrained._repr import parameters_repr
 from numpyro_constrained.validation import (
     as_concrete_where_possible,
@@ -498,6 +499,7 @@ class ExactlyKBernoulli(Distribution):
         batch_shape = tuple(batch_shape)
         if batch_shape == self.batch_shape:
             return self
+        check_expand(self.batch_shape, batch_shape)
         new = type(self).__new__(type(self))
         new.logits = jnp.broadcast_to(self.logits, batch_shape + self.event_shape)
         new.probs = jnp.broadcast_to(self.probs, batch_shape + self.event_shape)
@@ -520,7 +522,7 @@ def _vmap_over_exactly_k_bernoulli(dist: ExactlyKBernoulli, logits=None, probs=N
     # logits and probs are always both stored, each derived from the other, so a vmapped
     # argument of either maps both (numpyro's test_vmap_dist passes the axis of one).
     shared = logits if logits is not None else probs
-    return _default_vmap_over(dist, logits=shared, probs=shared, k=k)
+    return vmap_over_broadcast_leaves(dist, logits=shared, probs=shared, k=k)
 
 
 @kl_divergence.register(ExactlyKBernoulli, ExactlyKBernoulli)
@@ -562,51 +564,6 @@ def _kl_exactly_k_bernoulli(p: ExactlyKBernoulli, q: ExactlyKBernoulli) -> jax.A
 # every JAX operation compiles once per shape, and one compilation for a dozen operations
 # is about ten times cheaper. The kernels stay separate calls so that their (larger)
 # compilations are shared between the methods.
-
-
-# NumPyro's consumers of enumerate_support that treat a site as independent scalar
-# coordinates, each taking the values 0 .. size - 1 (numpyro 0.22): DiscreteHMCGibbs and
-# MixedHMC size their one-coordinate-at-a-time proposals with
-# numpyro.infer.gibbs.discrete_support_sizes, and numpyro.contrib.funsor's enum messenger
-# replaces the value by the index arange(size). Neither can represent a k-hot vector or a
-# composition: Gibbs proposals leave the support and are all rejected (the chain silently
-# never moves), and funsor passes indices of the wrong shape to log_prob.
-_GIBBS = (
-    "DiscreteHMCGibbs / MixedHMC propose one scalar coordinate at a time (values 0 .. "
-    "size - 1), which cannot keep it in its support: every proposal would be rejected "
-    "and the chain would silently never move"
-)
-_FUNSOR = (
-    "numpyro.contrib.funsor's enumeration (config_enumerate with TraceEnum_ELBO, "
-    "infer_discrete, or NUTS/HMC on a model with discrete latents) replaces a site's value "
-    "by the index 0 .. size - 1, which only works for scalar-valued sites"
-)
-_SCALAR_COORDINATE_CONSUMERS = {
-    ("numpyro.infer.gibbs", "discrete_support_sizes"): _GIBBS,
-    ("numpyro.infer.hmc_gibbs", "discrete_support_sizes"): _GIBBS,
-    ("numpyro.contrib.funsor.enum_messenger", "process_message"): _FUNSOR,
-}
-
-
-def refuse_scalar_coordinate_consumers(name: str, depth: int = 8) -> None:
-    """A ``ValueError`` when ``enumerate_support`` is called by one of NumPyro's machines
-    that enumerate each scalar coordinate separately (`_SCALAR_COORDINATE_CONSUMERS`),
-    saying what to do instead."""
-    frame = sys._getframe(1)
-    for _ in range(depth):
-        frame = frame.f_back
-        if frame is None:
-            return
-        key = (frame.f_globals.get("__name__"), frame.f_code.co_name)
-        if key in _SCALAR_COORDINATE_CONSUMERS:
-            raise ValueError(
-                f"{name} is an event-shaped discrete site (a k-hot vector or a "
-                f"composition): {_SCALAR_COORDINATE_CONSUMERS[key]}. Enumerate it instead "
-                "through an index: `support = d.enumerate_support()`, "
-                "`i = numpyro.sample(name, dist.Categorical(logits=d.log_prob(support)))`, "
-                "`z = support[i]` (then TraceEnum_ELBO, infer_discrete, DiscreteHMCGibbs and "
-                "NUTS with enumeration all work on `i`; see the README)."
-            )
 
 
 class _FreeProblem(NamedTuple):

@@ -24,13 +24,15 @@ import numpy as np
 import numpyro
 from jax import lax
 from numpyro.distributions import Distribution, Normal, constraints
-from numpyro.distributions.batch_util import _default_vmap_over, promote_batch_shape, vmap_over
+from numpyro.distributions.batch_util import promote_batch_shape, vmap_over
 from numpyro.distributions.kl import kl_divergence
 from numpyro.distributions.transforms import Transform, biject_to
 from numpyro.util import not_jax_tracer
 
 from constrained_ppl.arguments import check_value_shape, keyword_only
 from constrained_ppl.conditioning import warn_if_unresolvable
+from numpyro_constrained._batching import check_expand
+from numpyro_constrained._compat import default_validate_args
 from numpyro_constrained._repr import parameters_repr
 from numpyro_constrained.linear_constraint import (
     LinearConstraint,
@@ -634,7 +636,7 @@ class LinearConstrainedNormal(Distribution):
         grad_estimator: str = "marginal_expectation",
         validate_args: bool | None = None,
     ):
-        validate = Distribution._validate_args if validate_args is None else validate_args
+        validate = default_validate_args() if validate_args is None else validate_args
         if grad_estimator not in GRAD_ESTIMATORS:
             raise ValueError(
                 f"grad_estimator must be one of {GRAD_ESTIMATORS}, got {grad_estimator!r}"
@@ -660,7 +662,10 @@ class LinearConstrainedNormal(Distribution):
                 loc, scale, covariance_matrix, scale_tril, A, k, validate, constraint
             )
         n = loc.shape[-1]
-        self.loc = jnp.broadcast_to(loc, batch_shape + (n,))
+        # Kept at its own shape, as A, k and the factor are: a leaf broadcast to the batch
+        # shape would keep, inside a vmap over another parameter, the axis mapped away
+        # (``vmap_over(d, scale=0)`` then gave one row of log-densities per element).
+        self.loc = loc
         self._factor = factor
         self._diagonal = scale is not None
         if constraint is None:
@@ -897,6 +902,7 @@ class LinearConstrainedNormal(Distribution):
         batch_shape = tuple(batch_shape)
         if batch_shape == self.batch_shape:
             return self
+        check_expand(self.batch_shape, batch_shape)
         new = copy.copy(self)
         event = self.event_shape
         new.loc = jnp.broadcast_to(self.loc, batch_shape + event)
@@ -1098,7 +1104,7 @@ def _vmap_over_linear_constrained_normal(
     def derived(*axes):
         return 0 if any(axis is not None for axis in axes) else None
 
-    return _default_vmap_over(
+    return vmap_over.dispatch(Distribution)(
         dist,
         loc=loc,
         _factor=factor,

@@ -657,7 +657,10 @@ def test_vmap_over_as_numpyro_test_vmap_dist_uses_it(name):
             batched["rate"], batched["k"]
         )
         for field in ("rate", "k"):
-            field_axis = axis if (out_axes == 0 or field == name) else None
+            # rate and k are stored broadcast to the batch shape, so a batch axis of d
+            # mapped on one is mapped on both (else each element would keep the whole batch).
+            mapped = out_axes == 0 or field == name or axis < len(d.batch_shape)
+            field_axis = axis if mapped else None
             got = getattr(batched_d, field)
             got = got if field_axis is None else jnp.take(got, 0, axis=field_axis)
             np.testing.assert_array_equal(got, getattr(d, field))

@@ -1,0 +1,87 @@
+"""The one home of what ``numpyro_constrained`` relies on in NumPyro or JAX without a public
+API to rely on.
+
+Each entry names the framework behaviour it relies on; ``tests/test_compat_numpyro.py``
+checks each against the installed versions and fails with a message saying what to update
+here when that behaviour changes. Everything outside this module uses public APIs only.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+# ---------------------------------------------------------------------------------------
+# The guard against NumPyro's scalar-coordinate consumers of ``enumerate_support``.
+#
+# Relies on: NumPyro has no hook telling a distribution who enumerates it, so the caller is
+# recognised by the module and function names of the frames above ``enumerate_support``.
+# numpyro 0.22: ``numpyro.infer.gibbs.discrete_support_sizes`` (DiscreteHMCGibbs and
+# MixedHMC size their one-coordinate-at-a-time proposals with it; older releases had it in
+# ``numpyro.infer.hmc_gibbs``) and ``numpyro.contrib.funsor.enum_messenger``'s
+# ``enum.process_message`` (replaces the value by the index ``arange(size)``), each calling
+# ``fn.enumerate_support(False)`` directly. If NumPyro renames or moves them, the guard stops
+# firing silently; the compat test checks that each name still exists and still calls
+# ``enumerate_support``, and that real DiscreteHMCGibbs / funsor calls still get the error.
+#
+# Neither machine can represent a k-hot vector or a composition: Gibbs proposals leave the
+# support and are all rejected (the chain silently never moves), and funsor passes indices
+# of the wrong shape to log_prob.
+# ---------------------------------------------------------------------------------------
+
+_GIBBS = (
+    "DiscreteHMCGibbs / MixedHMC propose one scalar coordinate at a time (values 0 .. "
+    "size - 1), which cannot keep it in its support: every proposal would be rejected "
+    "and the chain would silently never move"
+)
+_FUNSOR = (
+    "numpyro.contrib.funsor's enumeration (config_enumerate with TraceEnum_ELBO, "
+    "infer_discrete, or NUTS/HMC on a model with discrete latents) replaces a site's value "
+    "by the index 0 .. size - 1, which only works for scalar-valued sites"
+)
+SCALAR_COORDINATE_CONSUMERS = {
+    ("numpyro.infer.gibbs", "discrete_support_sizes"): _GIBBS,
+    ("numpyro.infer.hmc_gibbs", "discrete_support_sizes"): _GIBBS,
+    ("numpyro.contrib.funsor.enum_messenger", "process_message"): _FUNSOR,
+}
+
+
+def refuse_scalar_coordinate_consumers(name: str, depth: int = 8) -> None:
+    """A ``ValueError`` when ``enumerate_support`` is called by one of NumPyro's machines
+    that enumerate each scalar coordinate separately (`SCALAR_COORDINATE_CONSUMERS`),
+    saying what to do instead. ``depth``: how many frames above the caller are looked at."""
+    frame = inspect.currentframe()
+    # Skip this function's frame and its caller's (the enumerate_support method).
+    frame = frame.f_back if frame is not None else None
+    for _ in range(depth):
+        frame = frame.f_back if frame is not None else None
+        if frame is None:
+            return
+        key = (frame.f_globals.get("__name__"), frame.f_code.co_name)
+        if key in SCALAR_COORDINATE_CONSUMERS:
+            raise ValueError(
+                f"{name} is an event-shaped discrete site (a k-hot vector or a "
+                f"composition): {SCALAR_COORDINATE_CONSUMERS[key]}. Enumerate it instead "
+                "through an index: `support = d.enumerate_support()`, "
+                "`i = numpyro.sample(name, dist.Categorical(logits=d.log_prob(support)))`, "
+                "`z = support[i]` (then TraceEnum_ELBO, infer_discrete, DiscreteHMCGibbs and "
+                "NUTS with enumeration all work on `i`; see the README)."
+            )
+
+
+# ---------------------------------------------------------------------------------------
+# The default of ``validate_args``.
+#
+# Relies on: ``numpyro.enable_validation`` / ``Distribution.set_default_validate_args``
+# storing the default in the class attribute ``Distribution._validate_args`` (numpyro
+# 0.22; older releases not checked here), which NumPyro offers no getter for. A
+# constructor that validates its arguments itself, before ``Distribution.__init__``, needs
+# it. The compat test checks that it follows ``numpyro.enable_validation``.
+# ---------------------------------------------------------------------------------------
+
+
+def default_validate_args() -> bool:
+    """Whether a distribution built with ``validate_args=None`` validates (the default that
+    ``numpyro.enable_validation`` sets)."""
+    from numpyro.distributions import Distribution
+
+    return bool(Distribution._validate_args)
