@@ -31,12 +31,31 @@ OUT_OF_SUPPORT_MESSAGE = (
 )
 
 
+def _inside(path: str, directory: str) -> bool:
+    """Whether the file ``path`` lies in ``directory`` or below it, compared by whole path
+    components: ``site-packages/numpyro_extras/x.py`` is not inside ``site-packages/numpyro``,
+    which a plain string prefix test (as ``numpyro.util.find_stack_level`` makes) says it is."""
+    return os.path.abspath(path).startswith(os.path.join(directory, ""))
+
+
 def _stack_level_outside() -> int:
-    """The ``stacklevel`` of the first caller outside NumPyro and this package, where a
-    warning should point (``numpyro.util.find_stack_level`` skips NumPyro only)."""
-    inside = (os.path.dirname(numpyro.__file__), os.path.dirname(os.path.abspath(__file__)))
+    """The ``stacklevel`` of the first caller outside NumPyro and this package, where the
+    out-of-support warning should point: the user's line that called ``log_prob``.
+
+    ``numpyro.util.find_stack_level`` is the public helper for NumPyro's own warnings, but it
+    cannot do this: it skips NumPyro's frames only, so from this package it stops at this
+    package's own ``log_prob`` (it skips them only where this package is installed beside
+    NumPyro, and then only through the string prefix test above, which also skips any
+    ``numpyro_*`` package of the user). Python's ``warnings.warn(skip_file_prefixes=...)``
+    would, but only from Python 3.12. So the frames are walked here, with whole-directory
+    tests. The level counts this function's frame, as ``find_stack_level`` counts its own:
+    the caller passes the result straight to ``warnings.warn``."""
+    inside = (
+        os.path.abspath(os.path.dirname(numpyro.__file__)),
+        os.path.dirname(os.path.abspath(__file__)),
+    )
     frame, level = inspect.currentframe(), 0
-    while frame is not None and inspect.getfile(frame).startswith(inside):
+    while frame is not None and any(_inside(inspect.getfile(frame), d) for d in inside):
         frame, level = frame.f_back, level + 1
     return level
 

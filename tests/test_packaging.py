@@ -168,3 +168,24 @@ def test_readme_quick_start_runs(package):
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
     block = next(b for b in blocks if f"from {package} import" in b)
     exec(compile(block, f"README.md ({package})", "exec"), {})
+
+
+def test_every_extra_declares_the_framework_floors_that_ci_tests():
+    # .ci/check_oldest installs the floors of the [all] extra and runs the framework tests
+    # there (.ci/run calls it): every other extra naming a framework must declare the same
+    # floor, or a floor would go untested.
+    setup = configparser.ConfigParser()
+    setup.read(ROOT / "setup.cfg")
+    floors = {}
+    for line in setup["options.extras_require"]["all"].split():
+        match = re.fullmatch(r"([a-z-]+)>=(\d+\.\d+\.\d+)", line)
+        assert match, f"[all]: {line!r} is not NAME>=X.Y.Z (the floor that CI installs)"
+        floors[match[1]] = match[2]
+    assert set(floors) == {"torch", "pyro-ppl", "jax", "jaxlib", "numpyro"}
+    for extra, value in setup["options.extras_require"].items():
+        for line in value.split():
+            name = re.split(r"[<>=!~; ]", line)[0]
+            if name in floors:
+                assert line == f"{name}>={floors[name]}", (extra, line)
+    ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert "bash .ci/check_oldest" in ci_lines
