@@ -302,7 +302,6 @@ def test_options_are_shared():
 
 BAGS_K = [1, 2, 3, 2]
 BAG_N = 6
-SVI_STEPS = 400
 
 
 def _bags():
@@ -327,7 +326,7 @@ def _posterior_kl(theta, y):
     return total / len(BAGS_K)
 
 
-def _pyro_svi(grad_estimator):
+def _pyro_svi(grad_estimator, steps):
     y = torch.tensor(_bags())
     ks = torch.tensor(BAGS_K)
 
@@ -345,18 +344,19 @@ def _pyro_svi(grad_estimator):
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
     elbo = TraceGraph_ELBO(num_particles=8, vectorize_particles=True, max_plate_nesting=1)
-    svi = SVI(model, guide, Adam({"lr": 0.05}), elbo)
-    for _ in range(SVI_STEPS):
+    svi = SVI(model, guide, Adam({"lr": 0.1}), elbo)
+    for _ in range(steps):
         svi.step()
     return _posterior_kl(pyro.param("theta").detach().numpy(), y.numpy())
 
 
 def test_pyro_svi_score_function_reaches_the_exact_posterior():
     # The guide family contains the exact posterior (logits = the log-likelihood ratios).
-    # Straight-through SVI stops at a biased fixed point; measured with these seeds, its KL
-    # is 0.1 nats per bag and the score-function run's below 0.01 after 400 steps, so the
-    # threshold of a third of the straight-through plateau (and an absolute 0.05) leaves
-    # room for Monte-Carlo noise in either run.
-    straight_through = _pyro_svi("marginal_expectation")
-    score_function = _pyro_svi("score_function")
-    assert score_function < min(0.05, straight_through / 3), (score_function, straight_through)
+    # Straight-through SVI stops at a biased fixed point: measured over seeds 0-2, its KL
+    # stays between 0.09 and 0.22 nats per bag from step 50 to 400. The score-function run
+    # (TraceGraph_ELBO, Pyro's decaying-average baseline) is at 0.004-0.009 after 100 steps
+    # and 0.0005 after 400. The threshold, 0.03 and a third of the straight-through
+    # run's final KL, leaves a factor of 3 for Monte-Carlo noise on either side.
+    straight_through = _pyro_svi("marginal_expectation", steps=100)
+    score_function = _pyro_svi("score_function", steps=150)
+    assert score_function < min(0.03, straight_through / 3), (score_function, straight_through)
