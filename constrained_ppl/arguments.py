@@ -19,7 +19,9 @@ from numbers import Integral, Real
 import numpy as np
 
 __all__ = [
+    "DISCRETE_GRAD_ESTIMATORS",
     "check_count",
+    "check_grad_estimator",
     "check_head_options",
     "check_static_bound",
     "check_value_shape",
@@ -65,6 +67,23 @@ def check_count(k, *, concrete: bool, name: str = "k") -> None:
         if not np.all(whole):
             bad = np.unique(values[~whole])[:5].tolist()
             raise ValueError(f"{name} must hold whole numbers, got {bad}")
+
+
+#: The gradient estimators of the discrete distributions (``ExactlyKBernoulli``,
+#: ``ConditionedPoisson``) in both packages: ``"marginal_expectation"`` (the default), the
+#: straight-through estimator through the conditional mean (biased, low variance), and
+#: ``"score_function"``, no reparameterised sampler, so that the frameworks' ELBOs apply
+#: the score-function (REINFORCE) estimator (unbiased). See
+#: docs/distributions/choosing_gradient_estimator.md.
+DISCRETE_GRAD_ESTIMATORS = ("marginal_expectation", "score_function")
+
+
+def check_grad_estimator(grad_estimator, options: tuple[str, ...]) -> str:
+    """``grad_estimator`` itself if it is one of ``options``, else a ``ValueError`` naming
+    them."""
+    if not isinstance(grad_estimator, str) or grad_estimator not in options:
+        raise ValueError(f"grad_estimator must be one of {options}, got {grad_estimator!r}")
+    return grad_estimator
 
 
 def check_static_bound(k_max, *, name: str = "k_max") -> int | None:

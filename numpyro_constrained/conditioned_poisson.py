@@ -25,7 +25,9 @@ from numpyro.distributions.kl import kl_divergence
 from numpyro.util import not_jax_tracer
 
 from constrained_ppl.arguments import (
+    DISCRETE_GRAD_ESTIMATORS,
     check_count,
+    check_grad_estimator,
     check_static_bound,
     check_value_shape,
     keyword_only,
@@ -642,6 +644,13 @@ class ConditionedPoisson(Distribution):
     marginal-expectation estimator through ``E[z] = k p``
     (docs/distributions/gradient_estimators.md): the value is exactly integer and sums exactly to
     ``k``; ``has_rsample`` is true, so ``Trace_ELBO`` treats the site as reparameterised.
+    It is biased wherever the downstream function of ``z`` is not linear in ``z``. With
+    ``grad_estimator="score_function"``, ``sample`` returns the exact draw under
+    ``stop_gradient`` and ``has_rsample`` is ``False`` (unbiased, higher variance).
+    NumPyro's ``Trace_ELBO`` (0.22) has no score-function term: it would leave out the
+    score term of such a site, so use ``TraceGraph_ELBO``, which adds it, Rao-Blackwellised
+    over the costs downstream of the site (NumPyro has no baselines). Which to choose:
+    docs/distributions/choosing_gradient_estimator.md.
     ``marginals`` are ``Binomial(k, p_i)``.
 
     Numerics: ``p`` is normalised in log space, and ``log_prob``, ``entropy``, ``mean``,
@@ -680,6 +689,8 @@ class ConditionedPoisson(Distribution):
     :param k_max: a static upper bound on ``k`` (a Python int), needed only where ``k`` is
         traced (an argument of ``jit``, ``vmap``, ``scan``): with it, sampling keeps the
         categorical sampler, and ``entropy`` and the expected L1 loss are possible.
+    :param grad_estimator: ``"marginal_expectation"`` (default) or ``"score_function"``
+        (above); anything else is a ``ValueError`` naming the two.
 
     Examples
     --------
@@ -713,7 +724,9 @@ class ConditionedPoisson(Distribution):
     #: The largest support that `enumerate_support` builds (a ``ValueError`` beyond it).
     max_support = 2**16
     # Exactly what the user passed, never derived from k: see the class docstring.
-    pytree_aux_fields = ("k_max",)
+    pytree_aux_fields = ("k_max", "grad_estimator")
+    #: Set per instance by __init__ (pytree aux data); see the class docstring.
+    grad_estimator = "marginal_expectation"
 
     @keyword_only("k", usage="ConditionedPoisson(rate, k=k)")
     def __init__(
@@ -722,8 +735,10 @@ class ConditionedPoisson(Distribution):
         *,
         k,
         k_max: int | None = None,
+        grad_estimator: str = "marginal_expectation",
         validate_args: bool | None = None,
     ) -> None:
+        self.grad_estimator = check_grad_estimator(grad_estimator, DISCRETE_GRAD_ESTIMATORS)
         k_max = check_static_bound(k_max)
         check_count(k, concrete=not_jax_tracer(k), name="k")
         # Constants closed over inside jit stay concrete here (NumPyro's own validation
@@ -770,7 +785,9 @@ class ConditionedPoisson(Distribution):
 
     @property
     def has_rsample(self) -> bool:
-        return True
+        """False for the score-function estimator (NumPyro's ELBOs read
+        ``site["fn"].has_rsample``)."""
+        return self.grad_estimator != "score_function"
 
     def expand(self, batch_shape) -> ConditionedPoisson:
         batch_shape = tuple(batch_shape)
@@ -781,6 +798,7 @@ class ConditionedPoisson(Distribution):
         new.rate = jnp.broadcast_to(self.rate, batch_shape + self.event_shape)
         new.k = jnp.broadcast_to(self.k, batch_shape)
         new.k_max = self.k_max
+        new.grad_estimator = self.grad_estimator
         Distribution.__init__(new, batch_shape, self.event_shape, validate_args=False)
         new._validate_args = self._validate_args
         return new
@@ -969,7 +987,8 @@ class ConditionedPoisson(Distribution):
         """An exact sample ``z`` returned as ``z + (m - stop_gradient(m))`` with ``m = k p``:
         the value is exactly ``z``, the gradient that of the conditional mean (zero, not
         absent, where ``k = 0``). NaN where ``k`` is out of range (a traced ``k`` above
-        ``k_max``, a negative or fractional ``k``).
+        ``k_max``, a negative or fractional ``k``). With ``grad_estimator="score_function"``,
+        ``z`` under ``stop_gradient``.
 
         Categorical draws (O(k log n) per event) where a static bound on ``k`` is known
         (`k_max`) and small beside n, else sequential binomials (O(n) per event, no bound
@@ -995,8 +1014,20 @@ class ConditionedPoisson(Distribution):
             log_p = _log_probs_only(rate)
             z = _sample_counts_sequentially(key, log_p, k, sample_shape=sample_shape, dtype=dtype)
         z = self._mask_out_of_range_k(z, jnp.nan, event=True)
+        if not self.has_rsample:
+            return lax.stop_gradient(z)
         m = jnp.broadcast_to(self.mean, z.shape)
         return z + (m - lax.stop_gradient(m))
+
+    def rsample(self, key, sample_shape=()) -> jax.Array:
+        """``sample``; ``NotImplementedError`` with ``grad_estimator="score_function"``."""
+        if not self.has_rsample:
+            raise NotImplementedError(
+                "ConditionedPoisson(grad_estimator='score_function') has no reparameterised "
+                "sampler (has_rsample is False): use sample(); TraceGraph_ELBO then differentiates "
+                "the site by the score function"
+            )
+        return self.sample(key, sample_shape)
 
     def entropy(self):
         """Exact entropy ``-log k! - k sum_i p_i log p_i + sum_i E[log z_i!]``,

@@ -23,7 +23,9 @@ from numpyro.distributions.kl import kl_divergence
 from numpyro.util import not_jax_tracer
 
 from constrained_ppl.arguments import (
+    DISCRETE_GRAD_ESTIMATORS,
     check_count,
+    check_grad_estimator,
     check_static_bound,
     check_value_shape,
     keyword_only,
@@ -147,8 +149,20 @@ class ExactlyKBernoulli(Distribution):
     ``0..min(n, k_max)``, or not a whole number, gives ``-inf`` log-probabilities and
     log_constraint_prob, and NaN entropy, mean, variance, samples and KL: never a number.
 
-    ``sample`` returns an exact k-hot sample ``z`` whose gradient is that of the conditional
-    marginals ``mu`` (the SIMPLE estimator): ``z + (mu - stop_gradient(mu))``.
+    :param grad_estimator: ``"marginal_expectation"`` (default) or ``"score_function"``;
+        anything else is a ``ValueError`` naming the two. See
+        docs/distributions/choosing_gradient_estimator.md for which to choose.
+
+    **Gradients.** With ``grad_estimator="marginal_expectation"``, ``sample`` returns an
+    exact k-hot sample ``z`` whose gradient is that of the conditional marginals ``mu`` (the
+    SIMPLE straight-through estimator): ``z + (mu - stop_gradient(mu))``, biased wherever
+    the downstream function of ``z`` is not linear in ``z`` (low variance). With
+    ``grad_estimator="score_function"``, ``sample`` returns the exact draw under
+    ``stop_gradient`` and ``has_rsample`` is ``False``, so ELBOs treat the site as not
+    reparameterised (unbiased, higher variance). NumPyro's ``Trace_ELBO`` (0.22) has no
+    score-function term: it would leave out the score term of such a site, so use
+    ``TraceGraph_ELBO``, which adds it, Rao-Blackwellised over the
+    costs downstream of the site (NumPyro has no baselines).
 
     **Validation** (``validate_args``) checks concrete values only, as NumPyro's own
     ``Distribution.validate_args`` does, and the arguments are checked under
@@ -192,8 +206,9 @@ class ExactlyKBernoulli(Distribution):
     # NumPyro infers has_rsample from reparametrized_params covering arg_constraints, and k,
     # a count, has no gradient; the samples still carry the straight-through gradient, so
     # ELBOs must treat the site as reparameterised (not switch to score functions).
-    has_rsample = True
     has_enumerate_support = True
+    #: Set per instance by __init__ (pytree aux data); see the class docstring.
+    grad_estimator = "marginal_expectation"
     #: The largest support that `enumerate_support` builds (a ``ValueError`` beyond it).
     max_support = 2**16
     # All three are set by __init__, expand and tree_unflatten (probs is always stored, never
@@ -202,10 +217,20 @@ class ExactlyKBernoulli(Distribution):
     pytree_data_fields = ("logits", "probs", "k")
     # _from_probs: whether the caller gave probs, whose exact 0s and 1s then get their
     # one-sided derivatives (``_odds_terms``); False for logits, which need no extra work.
-    pytree_aux_fields = ("k_max", "_from_probs")
+    pytree_aux_fields = ("k_max", "_from_probs", "grad_estimator")
 
     @keyword_only("k", usage="ExactlyKBernoulli(logits, k=k)")
-    def __init__(self, logits=None, probs=None, *, k, k_max=None, validate_args=None):
+    def __init__(
+        self,
+        logits=None,
+        probs=None,
+        *,
+        k,
+        k_max=None,
+        grad_estimator="marginal_expectation",
+        validate_args=None,
+    ):
+        self.grad_estimator = check_grad_estimator(grad_estimator, DISCRETE_GRAD_ESTIMATORS)
         if (logits is None) == (probs is None):
             raise ValueError("ExactlyKBernoulli: give exactly one of `logits` or `probs`")
         k_max = check_static_bound(k_max)
@@ -253,6 +278,12 @@ class ExactlyKBernoulli(Distribution):
                     )
             self._check_k(validate)
         super().__init__(batch_shape, event_shape, validate_args=validate_args)
+
+    @property
+    def has_rsample(self) -> bool:
+        """Whether ELBOs may treat the site as reparameterised: False for the score-function
+        estimator (NumPyro's ELBOs read ``site["fn"].has_rsample``)."""
+        return self.grad_estimator != "score_function"
 
     def _check_k(self, validate: bool) -> None:
         """Checks of a concrete ``k``: not above ``k_max`` (always a ``ValueError``); with
@@ -449,7 +480,8 @@ class ExactlyKBernoulli(Distribution):
         """An exact draw ``z`` (0.0 / 1.0 entries summing to k) carrying the straight-through
         marginal gradient ``z + (mu - stop_gradient(mu))``; its value is exactly ``z``.
         Raises ValueError (concrete values) where the constraint is impossible; under a
-        trace such elements get NaN."""
+        trace such elements get NaN. With ``grad_estimator="score_function"``, the draw
+        under ``stop_gradient`` (no marginals are computed)."""
         problem = self._problem
         if not_jax_tracer(problem.infeasible) and np.any(problem.infeasible):
             raise ValueError(
@@ -459,7 +491,18 @@ class ExactlyKBernoulli(Distribution):
         z = kernels.sample_straight_through(
             key, problem.logits, problem.k, self._table_size, tuple(sample_shape)
         )
-        return _complete_selection(z, self.logits, problem)
+        z = _complete_selection(z, self.logits, problem)
+        return z if self.has_rsample else lax.stop_gradient(z)
+
+    def rsample(self, key, sample_shape=()) -> jax.Array:
+        """``sample``; ``NotImplementedError`` with ``grad_estimator="score_function"``."""
+        if not self.has_rsample:
+            raise NotImplementedError(
+                "ExactlyKBernoulli(grad_estimator='score_function') has no reparameterised sampler "
+                "(has_rsample is False): use sample(); TraceGraph_ELBO then differentiates "
+                "the site by the score function"
+            )
+        return self.sample(key, sample_shape)
 
     def entropy(self) -> jax.Array:
         """``H = log e_k(exp theta) - theta . mu`` (over the finite logits), evaluated as a
@@ -506,6 +549,7 @@ class ExactlyKBernoulli(Distribution):
         new.k = jnp.broadcast_to(self.k, batch_shape)
         new.k_max = self.k_max
         new._from_probs = self._from_probs
+        new.grad_estimator = self.grad_estimator
         Distribution.__init__(new, batch_shape, self.event_shape, validate_args=False)
         new._validate_args = self._validate_args
         return new

@@ -17,7 +17,9 @@ from torch.distributions import constraints
 from torch.distributions.kl import register_kl
 
 from constrained_ppl.arguments import (
+    DISCRETE_GRAD_ESTIMATORS,
     check_count,
+    check_grad_estimator,
     check_static_bound,
     check_value_shape,
     keyword_only,
@@ -522,7 +524,14 @@ class ConditionedPoisson(TorchDistribution):
     ``rsample`` returns an exact sample whose gradient is the straight-through
     marginal-expectation estimator through ``E[z] = k p``
     (docs/distributions/gradient_estimators.md): the value is exactly integer and sums exactly to
-    ``k``. ``marginals`` are ``Binomial(k, p_i)``. ``sample``, ``rsample`` and ``log_prob`` use no
+    ``k``. It is biased wherever the downstream function of ``z`` is not linear in ``z``.
+    With ``grad_estimator="score_function"``, ``has_rsample`` is ``False`` on the instance,
+    so ``pyro.sample`` draws with :meth:`sample` (exact, no gradient) and Pyro's ELBOs
+    differentiate the site by the score function (unbiased, higher variance; baselines
+    through ``TraceGraph_ELBO`` and the site's ``infer={"baseline": ...}``); ``rsample``
+    then raises ``NotImplementedError``. Which to choose:
+    docs/distributions/choosing_gradient_estimator.md. ``marginals`` are
+    ``Binomial(k, p_i)``. ``sample``, ``rsample`` and ``log_prob`` use no
     in-place op, so that they run under ``torch.jit.trace`` (``JitTrace_ELBO`` and its kin).
 
     Numerics: ``p`` is normalised in log space in float64 (rates from 1e-300 to 1e300
@@ -549,6 +558,8 @@ class ConditionedPoisson(TorchDistribution):
         ``numpyro_constrained``, where it sizes jitted tables when ``k`` is traced; here
         ``k`` is always concrete, so it is only checked: a ``k`` above it is a
         ``ValueError``.
+    :param grad_estimator: ``"marginal_expectation"`` (default) or ``"score_function"``
+        (above); anything else is a ``ValueError`` naming the two.
 
     Examples
     --------
@@ -585,8 +596,13 @@ class ConditionedPoisson(TorchDistribution):
         *,
         k: int | float | torch.Tensor,
         k_max: int | None = None,
+        grad_estimator: str = "marginal_expectation",
         validate_args: bool | None = None,
     ) -> None:
+        self.grad_estimator = check_grad_estimator(grad_estimator, DISCRETE_GRAD_ESTIMATORS)
+        # Per instance: Pyro's ELBOs read site["fn"].has_rsample to choose between the
+        # pathwise and the score-function term.
+        self.has_rsample = grad_estimator == "marginal_expectation"
         k_max = check_static_bound(k_max)
         rate = torch.as_tensor(rate)
         if not rate.is_floating_point():
@@ -626,6 +642,8 @@ class ConditionedPoisson(TorchDistribution):
         new.rate = self.rate.expand(batch_shape + self.event_shape)
         new.k = self.k.expand(batch_shape)
         new.k_max = self.k_max
+        new.grad_estimator = self.grad_estimator
+        new.has_rsample = self.has_rsample
         super(ConditionedPoisson, new).__init__(batch_shape, self.event_shape, validate_args=False)
         new._validate_args = self._validate_args
         return new
@@ -797,7 +815,14 @@ class ConditionedPoisson(TorchDistribution):
     def rsample(self, sample_shape=_EMPTY_SIZE) -> torch.Tensor:
         """An exact sample ``z`` returned as ``z + (m - m.detach())`` with ``m = k p``: the
         value is exactly ``z``, the gradient that of the conditional mean (zero, not absent,
-        where ``k = 0``)."""
+        where ``k = 0``). ``NotImplementedError`` with ``grad_estimator="score_function"``
+        (no reparameterised sampler)."""
+        if not self.has_rsample:
+            raise NotImplementedError(
+                "ConditionedPoisson(grad_estimator='score_function') has no reparameterised "
+                "sampler (has_rsample is False): use sample(); Pyro's ELBOs then "
+                "differentiate the site by the score function"
+            )
         z = self.sample(sample_shape)
         m = self.mean.expand(z.shape)
         return z + (m - m.detach())

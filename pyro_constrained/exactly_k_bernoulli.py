@@ -20,7 +20,9 @@ from torch.distributions.kl import register_kl
 from torch.distributions.utils import lazy_property
 
 from constrained_ppl.arguments import (
+    DISCRETE_GRAD_ESTIMATORS,
     check_count,
+    check_grad_estimator,
     check_static_bound,
     check_value_shape,
     keyword_only,
@@ -203,8 +205,19 @@ class ExactlyKBernoulli(TorchDistribution):
     ``-inf`` without; a value whose shape does not end in the event shape or does not
     broadcast with the batch shape is a ``ValueError`` always.
 
-    ``rsample`` returns an exact k-hot sample ``z`` whose gradient is that of the conditional
-    marginals ``mu`` (the SIMPLE estimator): ``z + (mu - mu.detach())``.
+    :param grad_estimator: ``"marginal_expectation"`` (default) or ``"score_function"``;
+        anything else is a ``ValueError`` naming the two. See
+        docs/distributions/choosing_gradient_estimator.md for which to choose.
+
+    **Gradients.** With ``grad_estimator="marginal_expectation"``, ``rsample`` returns an
+    exact k-hot sample ``z`` whose gradient is that of the conditional marginals ``mu`` (the
+    SIMPLE straight-through estimator): ``z + (mu - mu.detach())``. It is biased wherever
+    the downstream function of ``z`` is not linear in ``z`` (low variance). With
+    ``grad_estimator="score_function"``, ``has_rsample`` is ``False`` on the instance, so
+    ``pyro.sample`` draws with :meth:`sample` (exact, no gradient) and ``Trace_ELBO`` /
+    ``TraceGraph_ELBO`` / ``TraceEnum_ELBO`` differentiate the site by the score function
+    (unbiased; ``TraceGraph_ELBO`` adds Rao-Blackwellisation and the baselines given in the
+    site's ``infer={"baseline": ...}``); ``rsample`` then raises ``NotImplementedError``.
 
     Examples
     --------
@@ -248,8 +261,13 @@ class ExactlyKBernoulli(TorchDistribution):
         *,
         k: int | float | torch.Tensor,
         k_max: int | None = None,
+        grad_estimator: str = "marginal_expectation",
         validate_args: bool | None = None,
     ):
+        self.grad_estimator = check_grad_estimator(grad_estimator, DISCRETE_GRAD_ESTIMATORS)
+        # Per instance: Pyro's ELBOs read site["fn"].has_rsample to choose between the
+        # pathwise and the score-function term.
+        self.has_rsample = grad_estimator == "marginal_expectation"
         if (logits is None) == (probs is None):
             raise ValueError("ExactlyKBernoulli: give exactly one of `logits` or `probs`")
         self.k_max = check_static_bound(k_max)
@@ -574,7 +592,14 @@ class ExactlyKBernoulli(TorchDistribution):
 
     def rsample(self, sample_shape: tuple[int, ...] = ()) -> torch.Tensor:
         """An exact sample ``z`` with the straight-through marginal gradient:
-        ``z + (mu - mu.detach())`` (its value is exactly ``z``)."""
+        ``z + (mu - mu.detach())`` (its value is exactly ``z``). ``NotImplementedError``
+        with ``grad_estimator="score_function"`` (no reparameterised sampler)."""
+        if not self.has_rsample:
+            raise NotImplementedError(
+                "ExactlyKBernoulli(grad_estimator='score_function') has no reparameterised "
+                "sampler (has_rsample is False): use sample(); Pyro's ELBOs then "
+                "differentiate the site by the score function"
+            )
         self._check_can_sample()
         z, free = kernels.sample_and_marginals(
             self._kernel_logits, self._k_free, self._table_size, sample_shape
@@ -640,6 +665,8 @@ class ExactlyKBernoulli(TorchDistribution):
         new._k_is_constant = self._k_is_constant
         new._table_size = self._table_size
         new.k_max = self.k_max
+        new.grad_estimator = self.grad_estimator
+        new.has_rsample = self.has_rsample
         new._infeasible = self._infeasible.expand(batch_shape)
         super(ExactlyKBernoulli, new).__init__(batch_shape, self.event_shape, validate_args=False)
         new._validate_args = self._validate_args
