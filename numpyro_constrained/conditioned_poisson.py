@@ -439,7 +439,7 @@ def _entropy(log_p, log1m_p, k, *, k_max: int, half_width: int, width: int, dtyp
     # tabulated log-factorials, whose exact cancellation the grouping at the end relies on.
     stable = accumulation == np.dtype(np.float32)
     if stable:
-        k_column = k_float[..., :1]
+        k_column = k_float[..., None]
         j_float = j.astype(accumulation)
         d = _log_factorial_step(c_float, j_float)
         g = (

@@ -53,7 +53,6 @@ USER_CONFIG_TESTS = {
     "test_out_of_support_jit",
     "test_sample_gradient",
     "test_support",
-    "test_vmap_dist",
 }
 CLASSES = {EKB: ExactlyKBernoulli, LCN: LinearConstrainedNormal, CP: ConditionedPoisson}
 

@@ -926,6 +926,7 @@ def _gradient_problem(arrays, seed, dtype_name):
     return fixed, theta0, along_parameters, along_k
 
 
+@pytest.mark.x64_only("Pyro only: nothing of JAX runs in it")
 @pytest.mark.parametrize("dtype_name", DTYPES)
 @given(drawn=problems(max_scale_decades=6.0, max_log10_loc=1.0), seed=st.integers(0, 2**16))
 def test_gradients_match_float64_finite_differences(drawn, seed, dtype_name):
