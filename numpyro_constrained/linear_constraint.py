@@ -143,7 +143,9 @@ def _complement_diagonal(tall: jax.Array, basis: jax.Array) -> jax.Array:
     n, a = tall.shape[-2:]
     m = min(2 * a, n)
     leverage = jnp.sum(jnp.square(basis), -1)
-    special = jax.lax.top_k(jax.lax.stop_gradient(leverage), m)[1]  # (..., m)
+    # A sort, not lax.top_k: XLA's SPMD partitioner splits a sort along its other (batch)
+    # axes, while top_k all-gathers a batch-sharded operand (tests/multi_device_jax_check.py).
+    special = jnp.argsort(-jax.lax.stop_gradient(leverage), axis=-1, stable=True)[..., :m]
     others = jnp.arange(n) != special[..., None]  # (..., m, n)
     left_out = tall[..., None, :, :] * others[..., None]  # row i zeroed, (..., m, n, a)
     r_fixed = _row_sorted_qr(jax.lax.stop_gradient(left_out))[1]
