@@ -10,6 +10,7 @@ that the whole suite stays within its time budget on a 2-core machine) or ``thor
 more examples, for local runs: ``HYPOTHESIS_PROFILE=thorough python -m pytest -k property``).
 """
 
+import gc
 import os
 import shutil
 import tempfile
@@ -209,3 +210,17 @@ def _jax_mode(request):
             yield
     finally:
         jax.config.update("jax_disable_most_optimizations", optimizations_were_disabled)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop JAX's in-memory caches of traced and compiled programs after each test module.
+
+    A worker process keeps every program it compiled, and the suite compiles thousands (each
+    float32 test twice since the user-config variant): workers grew until they crashed late in
+    the full run, while the same files alone passed. The persistent compilation cache (above)
+    still serves a program that a later module compiles again.
+    """
+    yield
+    jax.clear_caches()
+    gc.collect()
