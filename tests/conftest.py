@@ -102,6 +102,9 @@ def pytest_cmdline_main(config):
 def _seed_torch_and_clear_pyro():
     pyro.set_rng_seed(0)
     pyro.clear_param_store()
+    # Validation on, as torch and Pyro default: a test (or a JIT ELBO) that switched it off
+    # globally must not leak into the next test in the same worker.
+    pyro.enable_validation(True)
     yield
 
 
