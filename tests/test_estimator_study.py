@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from pyro_constrained.experiments import estimators, gradient_estimators, metrics, synthetic
+from experiments.estimator_study import estimators, gradient_estimators, metrics, synthetic
 from tests.oracles import gradient_study as oracle
 
 # A Monte-Carlo mean is accepted as unbiased when every coordinate is within this many

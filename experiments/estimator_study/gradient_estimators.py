@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from pyro_constrained.experiments.synthetic import (
+from experiments.estimator_study.synthetic import (
     SyntheticProblem,
     pointwise_loss,
     pointwise_loss_gradient,

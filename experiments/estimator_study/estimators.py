@@ -1,6 +1,6 @@
 """The synthetic gradient-estimator study (docs/distributions/gradient_estimators.md; issue 7).
 
-``python -m pyro_constrained.experiments.estimators --out DIR [--quick]`` writes
+``python -m experiments.estimator_study.estimators --out DIR [--quick]`` writes
 
 - ``DIR/estimators.csv``: ``distribution, loss, n, estimator, bias, variance, error``, each
   metric the mean over the repeats (independent random problems);
@@ -30,7 +30,7 @@ from pathlib import Path
 import pyro
 import torch
 
-from pyro_constrained.experiments import gradient_estimators, metrics, synthetic
+from experiments.estimator_study import gradient_estimators, metrics, synthetic
 
 COLUMNS = ("distribution", "loss", "n", "estimator", "bias", "variance", "error")
 
