@@ -76,6 +76,7 @@ def check_count(k, *, concrete: bool, name: str = "k") -> None:
 #: the score-function (REINFORCE) estimator (unbiased). See
 #: docs/distributions/choosing_gradient_estimator.md.
 DISCRETE_GRAD_ESTIMATORS = ("marginal_expectation", "score_function")
+LCN_GRAD_ESTIMATORS = ("marginal_expectation", "pathwise")
 
 
 def check_grad_estimator(grad_estimator, options: tuple[str, ...]) -> str:

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import inspect
 
+import jax.numpy as jnp
+from numpyro.distributions import constraints
+
 # ---------------------------------------------------------------------------------------
 # The guard against NumPyro's scalar-coordinate consumers of ``enumerate_support``.
 #
@@ -85,3 +88,35 @@ def default_validate_args() -> bool:
     from numpyro.distributions import Distribution
 
     return bool(Distribution._validate_args)
+
+
+# ---------------------------------------------------------------------------------------
+# Replaying the model when a support moves.
+#
+# Relies on: ``numpyro.infer.util._transforms_from_trace`` (numpyro 0.22), which flags a
+# model's supports as dynamic only when a latent site's support is an instance of NumPyro's
+# interval (``constraints.interval``) or lower-bounded (``constraints.greater_than``)
+# constraint whose bounds are not Python numbers. The flag makes the ``postprocess_fn`` of
+# ``initialize_model`` (``MCMC.get_samples``, ``AutoContinuous.sample_posterior``) replay
+# the model for every draw; without it, the draws are mapped back with the transforms of
+# the initial trace. NumPyro has no public way for a support to say it may move, so a
+# support whose parameters may depend on other latent variables (``LinearConstrainedNormal``'s
+# affine subspace when ``A`` or ``k`` does) lists `DynamicSupport` as its base class and
+# overrides every method of the interval class (the compat test checks both: that the
+# replay still happens, and that no interval method is inherited).
+# ---------------------------------------------------------------------------------------
+
+
+class DynamicSupport(constraints.interval):
+    """The base class of a support constraint whose parameters may depend on other latent
+    variables: NumPyro then replays the model to map draws back to it (see above). Its only
+    content is the two unbounded bounds NumPyro looks at, as arrays (which no Python number
+    is); a subclass defines every method itself, so no rule of an interval applies."""
+
+    @property
+    def lower_bound(self):
+        return jnp.asarray(-jnp.inf)
+
+    @property
+    def upper_bound(self):
+        return jnp.asarray(jnp.inf)

@@ -1,22 +1,22 @@
-"""A Gaussian conditioned on linear equalities ``A z = k``.
+"""A Gaussian conditioned on linear equalities ``A z = k``: :class:`LinearConstrainedNormal`.
 
-The math: ``docs/distributions/linear_constrained_normal.md``.
+The math: ``docs/distributions/linear_constrained_normal.md``. The class lives here; its
+pieces in the modules it imports, each importable from here as before:
 
-
-Holds :class:`LinearConstrainedNormal`, its support constraint (the affine subspace
-``{z : A z = k}``), the isometric bijection from ``R^(n - a)`` onto that subspace (registered
-with ``biject_to`` so that AutoGuides and NUTS can use the distribution as a latent site),
-its KL rule (registered with ``kl_divergence``) and its ``vmap_over`` and
-``promote_batch_shape`` rules (used by ``jax.vmap`` with ``out_axes`` and by NumPyro's
-``scan``).
+- ``_lcn_arguments.py``: the constructor's arguments and their one validation layer;
+- ``_lcn_kernels.py``: the jitted conditional-Gaussian kernels (whitened QR, mean,
+  ``log_prob``, Matheron's sampler, second moments);
+- ``_lcn_support.py``: the support :class:`AffineSubspace` and the isometric bijection
+  :class:`AffineSubspaceTransform` onto it (registered with ``biject_to``, so that AutoGuides
+  and NUTS can use the distribution as a latent site);
+- ``_lcn_rules.py``: its ``vmap_over``, ``promote_batch_shape`` and KL rules, registered at
+  the end of this module.
 """
 
 from __future__ import annotations
 
 import copy
-import math
 import warnings
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -26,433 +26,50 @@ from jax import lax
 from numpyro.distributions import Distribution, Normal, constraints
 from numpyro.distributions.batch_util import promote_batch_shape, vmap_over
 from numpyro.distributions.kl import kl_divergence
-from numpyro.distributions.transforms import Transform, biject_to
 from numpyro.util import not_jax_tracer
 
-from constrained_ppl.arguments import check_value_shape, keyword_only
+from constrained_ppl.arguments import LCN_GRAD_ESTIMATORS, check_value_shape, keyword_only
 from constrained_ppl.conditioning import warn_if_unresolvable
 from numpyro_constrained._batching import check_expand
 from numpyro_constrained._compat import default_validate_args
-from numpyro_constrained._repr import parameters_repr
-from numpyro_constrained.linear_constraint import (
-    LinearConstraint,
-    _after,
-    _check_finite,
-    _check_rtol,
-    _combine_rows,
-    _complement_diagonal,
-    _complete_complement,
-    _row_sorted_qr,
-    _rows_times,
-    _within_tolerance,
+from numpyro_constrained._lcn_arguments import ARG_CONSTRAINTS, check_held, parse_arguments
+from numpyro_constrained._lcn_kernels import (
+    _diagonal_variance_kernel,
+    _log_prob_kernel,
+    _matheron_kernel,
+    _mean_kernel,
+    _precompute,
+    _second_moment_kernel,
 )
+from numpyro_constrained._lcn_rules import (
+    _kl_linear_constrained_normal,
+    _promote_batch_shape_linear_constrained_normal,
+    _vmap_over_linear_constrained_normal,
+)
+from numpyro_constrained._lcn_support import (
+    AffineSubspace,
+    AffineSubspaceTransform,
+    _as_constraint,  # noqa: F401 (importable from here, as before the split)
+    _min_norm_point_and_basis,  # noqa: F401 (numpyro_constrained.reparam imports it from here)
+)
+from numpyro_constrained._repr import parameters_repr
+from numpyro_constrained.linear_constraint import LinearConstraint
 from numpyro_constrained.validation import (
     OUT_OF_SUPPORT_MESSAGE,
     _stack_level_outside,
     as_concrete_where_possible,
-    is_concrete,
 )
 
-GRAD_ESTIMATORS = ("marginal_expectation", "pathwise")
-
-
-def _as_constraint(A, k: jax.Array) -> LinearConstraint:
-    """``A`` itself when it is a :class:`LinearConstraint`, else one built (unchecked) from
-    the matrix ``A`` in the dtype of its promotion with ``k``."""
-    if isinstance(A, LinearConstraint):
-        return A
-    A = jnp.asarray(A)
-    return LinearConstraint._build(A.astype(jnp.result_type(A, k)), None, validate=False)
-
-
-def _min_norm_point_and_basis(A, k: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(z0, B)``: the point of ``{A z = k}`` nearest the origin, ``A^T (A A^T)^{-1} k``,
-    and an orthonormal basis of null(A) (``A`` a matrix or a :class:`LinearConstraint`,
-    whose cached factorisation is used)."""
-    constraint = _as_constraint(A, k)
-    return constraint._offset(k), constraint._null_basis
-
-
-class AffineSubspace(constraints._Interval):
-    """The affine subspace ``{z in R^n : A z = k}`` with ``A`` of shape (..., a, n), rank a.
-
-    ``A`` is a :class:`LinearConstraint` (whose factorisation and ``rtol`` are used) or a
-    matrix. A value passes when its residual is within the constraint's tolerance,
-    ``|A z - k| <= rtol * (|A| |z| + |k|)`` per row (see :class:`LinearConstraint`).
-
-    Why it derives from NumPyro's interval constraint: this support moves whenever ``A`` or
-    ``k`` depends on another latent variable. NumPyro's MCMC maps its unconstrained draws
-    back to sample sites with the transforms of the initial trace, unless it sees a support
-    that may be dynamic, and it recognises one only as an interval (or lower-bounded)
-    constraint whose bounds are not Python numbers
-    (``numpyro.infer.util._transforms_from_trace``); it then replays the model for every
-    draw. Posing as an interval with array bounds (``-inf``, ``+inf``: the coordinates
-    themselves are unbounded) makes ``MCMC.get_samples()`` exact for such a site instead of
-    silently returning points of the initial subspace. Every other behaviour of the interval
-    class (``__call__``, ``feasible_like``, ``eq``, the pytree, ``biject_to``, whose registry
-    is keyed by the exact class) is overridden here.
-    """
-
-    is_discrete = False
-    event_dim = 1
-
-    def __init__(self, A: LinearConstraint | jax.Array, k: jax.Array):
-        self.constraint = _as_constraint(A, k)
-        self.k = k
-
-    @property
-    def A(self) -> jax.Array:
-        return self.constraint.A
-
-    @property
-    def lower_bound(self) -> jax.Array:
-        return jnp.full(jnp.shape(self.k)[:-1], -jnp.inf)
-
-    @property
-    def upper_bound(self) -> jax.Array:
-        return jnp.full(jnp.shape(self.k)[:-1], jnp.inf)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.constraint._check(x, self.k)
-
-    def feasible_like(self, prototype: jax.Array) -> jax.Array:
-        offset = self.constraint._offset(self.k)
-        return jnp.broadcast_to(offset, jnp.shape(prototype)).astype(jnp.result_type(prototype))
-
-    def tree_flatten(self):
-        return (self.constraint, self.k), (("constraint", "k"), dict())
-
-    def eq(self, other: object, static: bool = False):
-        if not isinstance(other, AffineSubspace):
-            return False
-        if static:
-            return self.A is other.A and self.k is other.k
-        return jnp.array_equal(self.A, other.A) & jnp.array_equal(self.k, other.k)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(a={self.A.shape[-2]}, n={self.A.shape[-1]})"
-
-
-class AffineSubspaceTransform(Transform):
-    """The isometry ``u -> z0 + B u`` from ``R^(n - a)`` onto ``{z : A z = k}``.
-
-    ``B`` (n x (n - a)) is an orthonormal basis of the null space of ``A`` (the last n - a
-    columns of the complete QR factor of ``A^T``) and ``z0 = A^T (A A^T)^{-1} k`` is the point
-    of the subspace nearest the origin. Because ``B`` has orthonormal columns the map
-    preserves lengths, so its log-determinant with respect to the (n - a)-dimensional
-    Lebesgue (Hausdorff) measure on the subspace, the base measure of
-    :class:`LinearConstrainedNormal`, is 0. The inverse ``z -> B^T (z - z0)`` is the
-    orthogonal projection, so it also maps a point near the subspace to the nearest one.
-
-    The forward map ends with the Euclidean projection step of
-    :meth:`LinearConstraint.project` (``z <- z - A^T (A A^T)^{-1} (A z - k)``, which is the
-    identity in exact arithmetic), so its values satisfy the support tolerance in float32.
-
-    Cost: ``B`` and the factorisation are those of the :class:`LinearConstraint` (given, or
-    the distribution's): the O(n^2 a) QR for ``B`` runs once per constraint (as a constant
-    when ``A`` is concrete, also inside ``jit``), not once per transform, so an AutoGuide
-    that builds this transform at every step does not refactorise. Each call is
-    O(n (n - a)) per point.
-    """
-
-    def __init__(self, A: LinearConstraint | jax.Array, k: jax.Array):
-        self.constraint = _as_constraint(A, k)
-        self.k = k
-        self.offset = self.constraint._offset(k)
-        self.basis = self.constraint._null_basis
-
-    @property
-    def A(self) -> jax.Array:
-        return self.constraint.A
-
-    @property
-    def domain(self) -> constraints.Constraint:
-        return constraints.real_vector
-
-    @property
-    def codomain(self) -> constraints.Constraint:
-        return AffineSubspace(self.constraint, self.k)
-
-    def __call__(self, u: jax.Array) -> jax.Array:
-        return self.constraint._correct(self.offset + _rows_times(self.basis, u), self.k)
-
-    def _inverse(self, z: jax.Array) -> jax.Array:
-        return _combine_rows(z - self.offset, self.basis)
-
-    def log_abs_det_jacobian(self, x: jax.Array, y: jax.Array, intermediates=None) -> jax.Array:
-        shape = jnp.broadcast_shapes(jnp.shape(x)[:-1], jnp.shape(y)[:-1])
-        return jnp.zeros(shape, dtype=jnp.result_type(y))
-
-    def forward_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        return jnp.broadcast_shapes(shape[:-1], self.offset.shape[:-1]) + self.basis.shape[-2:-1]
-
-    def inverse_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        return jnp.broadcast_shapes(shape[:-1], self.offset.shape[:-1]) + self.basis.shape[-1:]
-
-    def tree_flatten(self):
-        names = ("constraint", "k", "offset", "basis")
-        return (self.constraint, self.k, self.offset, self.basis), (names, dict())
-
-    def eq(self, other: object, static: bool = False):
-        if not isinstance(other, AffineSubspaceTransform):
-            return False
-        return self.codomain.eq(other.codomain, static=static)
-
-
-@biject_to.register(AffineSubspace)
-def _transform_to_affine_subspace(constraint: AffineSubspace) -> AffineSubspaceTransform:
-    return AffineSubspaceTransform(constraint.constraint, constraint.k)
-
-
-def _float_array(value, name: str, dtype) -> jax.Array:
-    array = jnp.asarray(value)
-    if not (
-        jnp.issubdtype(array.dtype, jnp.floating)
-        or jnp.issubdtype(array.dtype, jnp.integer)
-        or array.dtype == jnp.bool_
-    ):
-        raise ValueError(f"{name} must be a real array, got dtype {array.dtype}")
-    return array.astype(dtype)
-
-
-def _float_dtype(values):
-    """The dtype of the parameters: JAX's promotion of the floating dtypes of the arrays
-    among ``values`` (Python numbers and lists are weakly typed and do not take part), or
-    the default float dtype when there are none."""
-    dtypes = [
-        value.dtype
-        for value in values
-        if hasattr(value, "dtype") and jnp.issubdtype(value.dtype, jnp.floating)
-    ]
-    return jnp.result_type(*dtypes) if dtypes else jnp.result_type(float)
-
-
-# The kernels below are jitted as a whole: besides fusing the O(n a) work, this compiles one
-# program per shape instead of dispatching dozens of small eager operations.
-
-
-def _refine(
-    z: jax.Array,
-    A: jax.Array,
-    k: jax.Array,
-    factor: jax.Array,
-    basis_t: jax.Array,
-    r_inv_t: jax.Array,
-    diagonal: bool,
-) -> jax.Array:
-    """``z + K (k - A z)`` with ``K = L Q R^{-T}``: the Sigma^{-1}-orthogonal projection
-    onto ``{A z = k}``; Q is read once (it is (batch, a, n) when the scale is batched)."""
-    direction = _combine_rows(_rows_times(r_inv_t, k - _rows_times(A, z)), basis_t)
-    if diagonal:
-        return z + factor * direction
-    return z + _rows_times(factor, direction)
-
-
-def _whitened_t(factor: jax.Array, A: jax.Array, diagonal: bool) -> jax.Array:
-    """``(A L)^T`` (..., n, a)."""
-    if diagonal:
-        return factor[..., :, None] * jnp.swapaxes(A, -1, -2)
-    return jnp.swapaxes(factor, -1, -2) @ jnp.swapaxes(A, -1, -2)
-
-
-@jax.jit
-def _diagonal_variance_kernel(
-    scale: jax.Array, A: jax.Array, basis_t: jax.Array, r_inv_t: jax.Array
-) -> jax.Array:
-    """``diag Sigma_bar = scale^2 diag(I - Q Q^T)`` (see :func:`_complement_diagonal`)."""
-    whitened_t = _whitened_t(scale, A, True)
-    # Its QRs run after the reduced one's LAPACK calls (see _after).
-    whitened_t = _after(whitened_t, basis_t, r_inv_t)
-    complement = _complement_diagonal(whitened_t, jnp.swapaxes(basis_t, -1, -2))
-    return jnp.square(scale) * complement
-
-
-@partial(jax.jit, static_argnames=("diagonal",))
-def _second_moment_kernel(
-    factor: jax.Array,
-    A: jax.Array,
-    basis_t: jax.Array,
-    r_inv_t: jax.Array,
-    diagonal: bool,
-) -> tuple[jax.Array, jax.Array]:
-    r"""``(Y, Z)``, (..., n, n - a) and (..., a, n), with ``Sigma_bar = Y Y^T + Z^T Z``:
-    the second moments as sums of squares, without the cancellation of
-    ``Sigma - (L Q)(L Q)^T``. O(n^2 a) (a complete QR).
-
-    ``Sigma_bar = L P L^T`` with ``P = I - Q Q^T = N N^T``, ``N`` an orthonormal basis of
-    the complement of range(M), ``M = (A L)^T``, from the complete QR
-    (:func:`_complete_complement`, rows in leverage order). ``Y = L N`` and ``Z = 0`` in
-    value; the derivatives
-    come from writing ``P`` as a function of ``M`` around ``M0 = stop_gradient(M)``, whose
-    basis ``N0`` was computed: with ``D = (M - M0)^T N0`` (zero in value) and
-    ``C = R^{-T} D``, the exact identities ``P(M) N0 = N0 - Q C =: N_d`` and
-    ``N_d^T N_d = I - C^T C`` give ``P = N_d (I - C^T C)^{-1} N_d^T
-    = N_d N_d^T + (C N_d^T)^T (C N_d^T) + O(|M - M0|^4)``, differentiable through the
-    reduced QR (``basis_t`` = Q^T, ``r_inv_t`` = R^{-T}) alone. So ``Y = L N_d`` and
-    ``Z = C N_d^T L^T``: values exact to the basis' rounding, first to third derivatives
-    exact.
-    """
-    whitened_t = _whitened_t(factor, A, diagonal)
-    fixed = lax.stop_gradient(whitened_t)
-    # The complete QR runs after the reduced one's LAPACK calls (see _after).
-    leverage = jnp.sum(jnp.square(lax.stop_gradient(basis_t)), -2)
-    complement = _complete_complement(_after(fixed, basis_t, r_inv_t), leverage)
-    coefficients = r_inv_t @ (jnp.swapaxes(whitened_t - fixed, -1, -2) @ complement)
-    moved = complement - jnp.swapaxes(basis_t, -1, -2) @ coefficients
-    crossed = coefficients @ jnp.swapaxes(moved, -1, -2)
-    if diagonal:
-        return factor[..., :, None] * moved, crossed * factor[..., None, :]
-    return factor @ moved, crossed @ jnp.swapaxes(factor, -1, -2)
-
-
-@partial(jax.jit, static_argnames=("diagonal",))
-def _precompute(
-    factor: jax.Array,
-    A: jax.Array,
-    log_det_a_half: jax.Array,
-    diagonal: bool,
-) -> dict[str, jax.Array]:
-    """Everything that depends only on the covariance and ``A``; O(n a^2 + a^3) when
-    ``diagonal``. The conditional mean is computed on first use (:func:`_mean_kernel`):
-    ``log_prob`` does not need it.
-
-    ``factor`` is the standard deviations (diagonal) or the lower Cholesky factor L of Sigma;
-    ``log_det_a_half`` is ``1/2 log det(A A^T)`` from the :class:`LinearConstraint`.
-    """
-    whitened_t = _whitened_t(factor, A, diagonal)
-    if diagonal:
-        log_det_sigma_half = jnp.sum(jnp.log(factor), -1)
-        prior_variance = jnp.square(factor)
-    else:
-        log_det_sigma_half = jnp.sum(jnp.log(jnp.diagonal(factor, axis1=-2, axis2=-1)), -1)
-        prior_variance = jnp.sum(jnp.square(factor), -1)
-    basis, r_factor = _row_sorted_qr(whitened_t)
-    r_factor = _after(r_factor, basis)  # one LAPACK call at a time (see _after)
-    basis_t = jnp.swapaxes(basis, -1, -2)  # Q^T, (..., a, n): orthonormal rows
-    # R^{-T} (..., a, a), so that K r = L Q (R^{-T} r) costs one pass over Q. An explicit
-    # triangular inverse is as accurate here as a substitution, and a small matrix product
-    # broadcasts where a batched solve would not.
-    identity = jnp.broadcast_to(jnp.eye(r_factor.shape[-1], dtype=r_factor.dtype), r_factor.shape)
-    r_inv_t = jnp.swapaxes(
-        jax.scipy.linalg.solve_triangular(r_factor, identity, lower=False), -1, -2
-    )
-    num_rows, n = A.shape[-2:]
-    return {
-        "_basis_t": basis_t,
-        "_r_inv_t": r_inv_t,
-        "_prior_variance": prior_variance,
-        # log p(z) = -1/2 (z - mu_bar)^T Sigma^{-1} (z - mu_bar) + _log_normalizer on the
-        # subspace: for A z = k the cross term with mu_bar - loc = K (k - A loc) vanishes,
-        # so the squared distance splits into this one plus the one of log N(k; A loc, S).
-        # 1/2 log det S = sum log|R_ii|, 1/2 log det(A A^T) = sum log|R'_ii|.
-        "_log_normalizer": (
-            -log_det_sigma_half
-            + jnp.sum(jnp.log(jnp.abs(jnp.diagonal(r_factor, axis1=-2, axis2=-1))), -1)
-            - log_det_a_half
-            - 0.5 * (n - num_rows) * math.log(2 * math.pi)
-        ),
-        # Not a leaf: for the conditioning check at construction (popped there).
-        "r_factor": r_factor,
-    }
-
-
-@partial(jax.jit, static_argnames=("diagonal",))
-def _mean_kernel(
-    loc: jax.Array,
-    factor: jax.Array,
-    A: jax.Array,
-    k: jax.Array,
-    basis_t: jax.Array,
-    r_inv_t: jax.Array,
-    diagonal: bool,
-) -> jax.Array:
-    """``mu_bar``, the Sigma^{-1}-orthogonal projection of loc onto the subspace: one step
-    from loc, then one of refinement."""
-    refine = partial(
-        _refine, A=A, k=k, factor=factor, basis_t=basis_t, r_inv_t=r_inv_t, diagonal=diagonal
-    )
-    return refine(refine(loc))
-
-
-@partial(jax.jit, static_argnames=("diagonal", "projected"))
-def _log_prob_kernel(
-    value: jax.Array,
-    center: jax.Array,
-    factor: jax.Array,
-    basis_t: jax.Array,
-    log_normalizer: jax.Array,
-    A: jax.Array,
-    k: jax.Array,
-    rtol: jax.Array,
-    diagonal: bool,
-    projected: bool,
-) -> tuple[jax.Array, jax.Array]:
-    """(log density, or -inf off the subspace; whether each value is on the subspace).
-
-    ``center`` is ``loc`` when ``projected`` (diagonal scale, value of the parameters'
-    dtype), else the conditional mean ``mu_bar``.
-    """
-    diff = value - center
-    if projected:
-        # On the subspace, L^{-1} (z - mu_bar) = (I - Q Q^T) L^{-1} (z - loc): an orthogonal
-        # projection in whitened coordinates, which needs neither mu_bar (two refinement
-        # passes) nor k, and is as accurate as the difference from mu_bar.
-        whitened = diff / factor
-        whitened = whitened - _combine_rows(_rows_times(basis_t, whitened), basis_t)
-        mahalanobis = jnp.sum(jnp.square(whitened), -1)
-    elif diagonal:
-        mahalanobis = jnp.sum(jnp.square(diff / factor), -1)
-    else:
-        batch = jnp.broadcast_shapes(diff.shape[:-1], factor.shape[:-2])
-        solved = jax.scipy.linalg.solve_triangular(
-            jnp.broadcast_to(factor, batch + factor.shape[-2:]),
-            jnp.broadcast_to(diff, batch + diff.shape[-1:])[..., None],
-            lower=True,
-        )
-        mahalanobis = jnp.sum(jnp.square(solved[..., 0]), -1)
-    on_subspace = _within_tolerance(value, k, A, rtol)
-    log_prob = -0.5 * mahalanobis + log_normalizer
-    return jnp.where(on_subspace, log_prob, -jnp.inf), on_subspace
-
-
-@partial(jax.jit, static_argnames=("diagonal",))
-def _matheron_kernel(
-    noise: jax.Array,
-    mean: jax.Array,
-    factor: jax.Array,
-    A: jax.Array,
-    k: jax.Array,
-    basis_t: jax.Array,
-    r_inv_t: jax.Array,
-    diagonal: bool,
-) -> jax.Array:
-    """Matheron's rule in whitened form, ``z = mu_bar + L (noise - Q Q^T noise)``, then one
-    refinement step.
-
-    The projection is orthogonal, hence accurate however ill-conditioned ``A L`` is; the
-    refinement step removes what rounding left of ``A z - k`` (see the class docstring).
-    """
-    projected = noise - _combine_rows(_rows_times(basis_t, noise), basis_t)
-    if diagonal:
-        z = mean + factor * projected
-    else:
-        z = mean + _rows_times(factor, projected)
-    return _refine(z, A, k, factor, basis_t, r_inv_t, diagonal)
-
-
-@jax.jit
-def _check_arguments(arguments: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """Whether each argument satisfies its ``arg_constraints`` entry (all events)."""
-    return {
-        name: jnp.all(LinearConstrainedNormal.arg_constraints[name](value))
-        for name, value in arguments.items()
-    }
-
-
-def _concrete(value):
-    """``value`` where it is concrete, else None: a check on values runs only on concrete
-    arrays (NumPyro's rule; a tracer cannot be inspected)."""
-    return value if not_jax_tracer(value) else None
+__all__ = [
+    "GRAD_ESTIMATORS",
+    "AffineSubspace",
+    "AffineSubspaceTransform",
+    "LinearConstrainedNormal",
+    "LinearConstraint",
+]
+
+#: The values of ``grad_estimator`` (``constrained_ppl.arguments.LCN_GRAD_ESTIMATORS``).
+GRAD_ESTIMATORS = LCN_GRAD_ESTIMATORS
 
 
 # The number of trailing event dimensions of each pytree leaf of LinearConstrainedNormal
@@ -585,14 +202,7 @@ class LinearConstrainedNormal(Distribution):
     1
     """
 
-    arg_constraints = {
-        "loc": constraints.real_vector,
-        "scale": constraints.independent(constraints.positive, 1),
-        "covariance_matrix": constraints.positive_definite,
-        "scale_tril": constraints.lower_cholesky,
-        "A": constraints.independent(constraints.real, 2),
-        "k": constraints.real_vector,
-    }
+    arg_constraints = ARG_CONSTRAINTS
     # Samples are differentiable in every parameter (through the conditional mean, or the
     # whole Matheron sample with the pathwise estimator).
     reparametrized_params = list(arg_constraints)
@@ -637,62 +247,38 @@ class LinearConstrainedNormal(Distribution):
         validate_args: bool | None = None,
     ):
         validate = default_validate_args() if validate_args is None else validate_args
-        if grad_estimator not in GRAD_ESTIMATORS:
-            raise ValueError(
-                f"grad_estimator must be one of {GRAD_ESTIMATORS}, got {grad_estimator!r}"
-            )
-        if sum(p is not None for p in (scale, covariance_matrix, scale_tril)) != 1:
-            raise ValueError("exactly one of scale, covariance_matrix or scale_tril must be given")
-        # As NumPyro's validate_args: under compile-time evaluation, arrays closed over inside
-        # jit stay concrete through the conversions below and their values get checked;
-        # tracers are converted (and staged) as usual and only their shapes are checked.
-        if constraint is not None:
-            if A is not None:
-                raise ValueError(
-                    "give the constraint either as A or as constraint (a LinearConstraint), "
-                    "not both"
-                )
-            if not isinstance(constraint, LinearConstraint):
-                raise ValueError(
-                    f"constraint must be a LinearConstraint, got {type(constraint).__name__}"
-                )
-        rtol = _check_rtol(rtol)
-        with jax.ensure_compile_time_eval():
-            loc, factor, A, k, batch_shape = self._arguments(
-                loc, scale, covariance_matrix, scale_tril, A, k, validate, constraint
-            )
-        n = loc.shape[-1]
+        arguments = parse_arguments(
+            loc,
+            scale,
+            covariance_matrix,
+            scale_tril,
+            A,
+            k,
+            constraint,
+            rtol,
+            grad_estimator,
+            validate,
+        )
+        constraint = arguments.constraint
         # Kept at its own shape, as A, k and the factor are: a leaf broadcast to the batch
         # shape would keep, inside a vmap over another parameter, the axis mapped away
         # (``vmap_over(d, scale=0)`` then gave one row of log-densities per element).
-        self.loc = loc
-        self._factor = factor
-        self._diagonal = scale is not None
-        if constraint is None:
-            # Validated (rank included, where A is concrete) and factorised here, once per
-            # distribution; a LinearConstraint given instead was validated and factorised
-            # once for all.
-            constraint = LinearConstraint._build(A, rtol, validate)
-        else:
-            if constraint.A.dtype != A.dtype:
-                if jnp.finfo(A.dtype).eps < jnp.finfo(constraint.A.dtype).eps:
-                    # Factors rounded to a coarser dtype would cap the accuracy of the
-                    # result at that dtype's: refactorise in the finer one.
-                    constraint = LinearConstraint._build(A, constraint._rtol, False)
-                else:
-                    constraint = constraint._replace(dtype=A.dtype)
-            if rtol is not None:
-                constraint = constraint._replace(rtol=rtol)
+        self.loc = arguments.loc
+        self._factor = arguments.factor
+        self._diagonal = arguments.diagonal
         self._constraint_object = constraint
         self.A = constraint.A
         self._constraint_basis_t = constraint._basis_t
         self._constraint_r_inv_t = constraint._r_inv_t
         self._constraint_log_det_half = constraint._log_det_half
         self._rtol = constraint._rtol
-        self.k = k
-        self.grad_estimator = grad_estimator
-        super().__init__(batch_shape, (n,), validate_args=validate_args)
-        cached = _precompute(factor, self.A, constraint._log_det_half, diagonal=self._diagonal)
+        self.k = arguments.k
+        self.grad_estimator = arguments.grad_estimator
+        n = self.loc.shape[-1]
+        super().__init__(arguments.batch_shape, (n,), validate_args=validate_args)
+        cached = _precompute(
+            self._factor, self.A, constraint._log_det_half, diagonal=self._diagonal
+        )
         r_factor = cached.pop("r_factor")
         if validate and not_jax_tracer(r_factor):
             warn_if_unresolvable(
@@ -726,111 +312,6 @@ class LinearConstrainedNormal(Distribution):
         """The relative tolerance of the support check (see :class:`LinearConstraint`)."""
         return self.constraint.rtol
 
-    @staticmethod
-    def _arguments(
-        loc,
-        scale,
-        covariance_matrix,
-        scale_tril,
-        A,
-        k,
-        validate: bool,
-        constraint: LinearConstraint | None = None,
-    ):
-        """``(loc, factor, A, k, batch_shape)`` from the constructor's arguments, converted
-        to one float dtype and checked (shapes always, values where concrete)."""
-        matrix_a = constraint.A if constraint is not None else A
-        dtype = _float_dtype((loc, scale, covariance_matrix, scale_tril, matrix_a, k))
-        loc = _float_array(loc, "loc", dtype)
-        if loc.ndim < 1:
-            raise ValueError(f"loc must have at least one dimension (the event), got {loc.shape}")
-        if validate:
-            _check_finite("loc", loc)
-        n = loc.shape[-1]
-
-        if scale is not None:
-            scale = _float_array(scale, "scale", dtype)
-            if scale.ndim == 0:
-                scale = scale[None]
-            if scale.shape[-1] not in (1, n):
-                raise ValueError(f"scale must have last dimension {n} (or 1), got {scale.shape}")
-            if validate:
-                _check_finite("scale", scale)
-            factor = jnp.broadcast_to(scale, scale.shape[:-1] + (n,))
-            factor_batch_shape = factor.shape[:-1]
-        else:
-            name = "covariance_matrix" if covariance_matrix is not None else "scale_tril"
-            matrix = covariance_matrix if covariance_matrix is not None else scale_tril
-            matrix = _float_array(matrix, name, dtype)
-            if matrix.ndim < 2 or matrix.shape[-2:] != (n, n):
-                raise ValueError(f"{name} must have shape (..., {n}, {n}), got {matrix.shape}")
-            if validate:
-                _check_finite(name, matrix)
-            if covariance_matrix is not None:
-                # A tracer gives a traced answer: checked only where concrete.
-                positive_definite = _concrete(constraints.positive_definite(matrix))
-                if validate and positive_definite is not None and not np.all(positive_definite):
-                    raise ValueError("covariance_matrix must be symmetric positive definite")
-                factor = jnp.linalg.cholesky(matrix)
-            else:
-                factor = matrix
-            factor_batch_shape = factor.shape[:-2]
-
-        if constraint is not None:
-            A = constraint.A if constraint.A.dtype == dtype else constraint.A.astype(dtype)
-            if A.shape[-1] != n:
-                raise ValueError(
-                    f"the constraint has n = {A.shape[-1]} columns, but loc has size {n}"
-                )
-        elif A is None:
-            A = jnp.ones((1, n), dtype=dtype)
-        else:
-            A = _float_array(A, "A", dtype)
-            if A.ndim < 2:
-                raise ValueError(f"A must have shape (..., a, n), got {A.shape}")
-            if A.shape[-1] != n:
-                raise ValueError(
-                    f"A must have n = {n} columns (the size of loc), got shape {A.shape}"
-                )
-            if validate:
-                _check_finite("A", A)
-        num_rows = A.shape[-2]
-        if not 1 <= num_rows < n:
-            raise ValueError(
-                f"A must have between 1 and n - 1 = {n - 1} rows (rank a < n), got {num_rows}"
-            )
-        if k is None:
-            k = jnp.zeros(num_rows, dtype=dtype)
-        else:
-            k = _float_array(k, "k", dtype)
-            # A real right-hand side broadcasts as NumPy does: a scalar or a last dimension
-            # of 1 gives every row the same value.
-            if k.ndim == 0:
-                k = k[None]
-            if k.shape[-1] not in (1, num_rows):
-                raise ValueError(
-                    f"k must have shape (..., a) with a = {num_rows} (the rows of A), or a "
-                    f"last dimension of 1, got {tuple(k.shape)}"
-                )
-            if validate:
-                _check_finite("k", k)
-            k = jnp.broadcast_to(k, k.shape[:-1] + (num_rows,))
-
-        batch_shapes = {
-            "loc": loc.shape[:-1],
-            "scale" if scale is not None else "scale_tril": factor_batch_shape,
-            "A": A.shape[:-2],
-            "k": k.shape[:-1],
-        }
-        try:
-            batch_shape = jnp.broadcast_shapes(*batch_shapes.values())
-        except ValueError:
-            shapes = ", ".join(f"{name} {shape}" for name, shape in batch_shapes.items())
-            raise ValueError(
-                f"the batch shapes of the parameters do not broadcast: {shapes}"
-            ) from None
-        return loc, factor, A, k, tuple(batch_shape)
-
     def _event_ndims(self, name: str) -> int:
         if name == "_factor":
             return 1 if self._diagonal else 2
@@ -849,25 +330,9 @@ class LinearConstrainedNormal(Distribution):
         return {"loc": self.loc, factor_name: self._factor, "A": self.A, "k": self.k}
 
     def validate_args(self, strict: bool = True) -> None:
-        """NumPyro's argument check, with every constraint evaluated in one jitted call.
-
-        Same messages and the same rule for tracers as the base class (it runs under
-        ``jax.ensure_compile_time_eval()``, so constants closed over inside ``jit`` are
-        checked, and tracers are skipped, or raise ``RuntimeError`` when ``strict``); one
-        compiled program per parameter shape instead of a dozen small eager operations,
-        which dominate the cost of a new shape on CPU.
-        """
-        with jax.ensure_compile_time_eval():
-            arguments = self.get_args()
-            concrete = {name: value for name, value in arguments.items() if not_jax_tracer(value)}
-            if strict and len(concrete) < len(arguments):
-                raise RuntimeError("Cannot validate arguments inside jitted code.")
-            valid = _check_arguments(concrete) if concrete else {}
-            for name, is_valid in valid.items():
-                if not np.all(np.asarray(is_valid)):
-                    raise ValueError(
-                        f"{type(self).__name__} distribution got invalid {name} parameter."
-                    )
+        """NumPyro's argument check of the held parameters, with every constraint evaluated
+        in one jitted call (see :func:`~numpyro_constrained._lcn_arguments.check_held`)."""
+        check_held(self.get_args(), type(self).__name__, strict)
 
     @property
     def scale_tril(self) -> jax.Array:
@@ -899,6 +364,9 @@ class LinearConstrainedNormal(Distribution):
         return jnp.broadcast_shapes(*batch_shapes), tuple(loc[-1:])
 
     def expand(self, batch_shape) -> LinearConstrainedNormal:
+        """A view of this distribution with batch shape ``batch_shape`` (an instance of the same
+        class whose parameters are broadcast, not an ``ExpandedDistribution``). Raises
+        ``ValueError`` where the current batch shape does not broadcast to ``batch_shape``."""
         batch_shape = tuple(batch_shape)
         if batch_shape == self.batch_shape:
             return self
@@ -1078,164 +546,10 @@ class LinearConstrainedNormal(Distribution):
         return z + (proxy - lax.stop_gradient(proxy))
 
 
-@vmap_over.register
-def _vmap_over_linear_constrained_normal(
-    dist: LinearConstrainedNormal,
-    loc=None,
-    scale=None,
-    covariance_matrix=None,
-    scale_tril=None,
-    A=None,
-    k=None,
-):
-    """The axes of ``dist``'s leaves when the given constructor arguments are mapped.
-
-    A parameter's own leaf gets its axis (``scale``, ``covariance_matrix`` and
-    ``scale_tril`` all map the stored factor). A precomputed leaf is mapped, at axis 0, when a
-    parameter it is computed from is: its own batch dimensions need not line up with a
-    parameter's (the log normalizer of a (a, n) ``A`` mapped at axis 1 is a scalar), and any
-    axis is right as long as the same ``out_axes`` is used to map over the result, as
-    NumPyro's own rules do (``Beta._dirichlet``).
-    """
-    factor = next(
-        (axis for axis in (scale, covariance_matrix, scale_tril) if axis is not None), None
-    )
-
-    def derived(*axes):
-        return 0 if any(axis is not None for axis in axes) else None
-
-    return vmap_over.dispatch(Distribution)(
-        dist,
-        loc=loc,
-        _factor=factor,
-        A=A,
-        k=k,
-        _basis_t=derived(factor, A),
-        _r_inv_t=derived(factor, A),
-        _prior_variance=derived(factor),
-        _log_normalizer=derived(factor, A),
-        _constraint_basis_t=derived(A),
-        _constraint_r_inv_t=derived(A),
-        _constraint_log_det_half=derived(A),
-    )
-
-
-@promote_batch_shape.register
-def _promote_batch_shape_linear_constrained_normal(dist: LinearConstrainedNormal):
-    """The batch shape after ``scan`` or ``vmap`` stacked leaves along new leading axes.
-
-    The default rule cannot be used: it reads every ``arg_constraints`` attribute (with a
-    diagonal covariance ``scale_tril`` and ``covariance_matrix`` would form n x n matrices,
-    and the latter is the conditional covariance, broadcast to the stale batch shape), and it
-    assumes every parameter is broadcast to the full batch shape, which the leaves here are
-    not (an ``A`` shared by the batch stays (a, n): that is what keeps its products one
-    matrix-matrix product). So the axes each leaf gained are its dimensions beyond those it
-    was built with (``_leaf_batch_ndims``); the new batch shape is their broadcast followed
-    by the old batch shape; and every leaf is reshaped (singleton axes between the stacked
-    axes and its own, no copy of data) so that all of them line up with the new batch shape
-    (a stacked (T, a, n) ``A`` beside a stacked (T, B, n) ``loc`` would otherwise broadcast
-    T against B).
-    """
-    names = dist.pytree_data_fields
-    old_ndim = len(dist.batch_shape)
-    leaves = {name: dist.__dict__[name] for name in names}
-    gained = {
-        name: jnp.ndim(leaf) - dist._event_ndims(name) - built
-        for (name, leaf), built in zip(leaves.items(), dist._leaf_batch_ndims, strict=True)
-    }
-    if not any(gained.values()):
-        return copy.copy(dist)
-    new_axes = jnp.broadcast_shapes(
-        *(jnp.shape(leaf)[: gained[name]] for name, leaf in leaves.items())
-    )
-    batch_shape = tuple(new_axes) + tuple(dist.batch_shape)
-    new = copy.copy(dist)
-    for name, leaf in leaves.items():
-        shape = jnp.shape(leaf)
-        stacked, own = shape[: gained[name]], shape[gained[name] :]
-        own_batch_ndim = len(own) - dist._event_ndims(name)
-        aligned = (
-            (1,) * (len(new_axes) - len(stacked))
-            + stacked
-            + (1,) * (old_ndim - own_batch_ndim)
-            + own
-        )
-        if aligned != shape:
-            setattr(new, name, jnp.reshape(leaf, aligned))
-    # The LinearConstraint object kept for the unstacked leaves no longer matches them; the
-    # constraint property rebuilds it from the new leaves.
-    new.__dict__.pop("_constraint_object", None)
-    new.__dict__.pop("_mean_cache", None)  # of the old batch shape; recomputed on use
-    new._batch_shape = batch_shape
-    new._leaf_batch_ndims = new._batch_ndims_of_leaves()
-    return new
-
-
-def _same_constraint(p: LinearConstrainedNormal, q: LinearConstrainedNormal) -> None:
-    if p.event_shape != q.event_shape or p.A.shape[-2] != q.A.shape[-2]:
-        raise ValueError(
-            f"KL needs the same n and number of constraints, got A of shapes {p.A.shape} "
-            f"and {q.A.shape}"
-        )
-    # Under jit A and k are tracers and cannot be compared: the caller is responsible.
-    if is_concrete(p.A, q.A, p.k, q.k):
-        try:
-            same = bool(np.all(np.asarray(p.A) == np.asarray(q.A))) and bool(
-                np.all(np.asarray(p.k) == np.asarray(q.k))
-            )
-        except ValueError:
-            same = False
-        if not same:
-            raise ValueError(
-                "KL between LinearConstrainedNormals needs the same A and k (different affine "
-                "subspaces make the KL infinite or undefined)"
-            )
-
-
-@kl_divergence.register(LinearConstrainedNormal, LinearConstrainedNormal)
-def _kl_linear_constrained_normal(
-    p: LinearConstrainedNormal, q: LinearConstrainedNormal
-) -> jax.Array:
-    """``KL(p || q) = -H_p - E_p[log q(z)]`` for two with the same A and k.
-
-    ``E_p[(z - mu_bar_q)^T Sigma_q^{-1} (z - mu_bar_q)] = tr(Sigma_q^{-1} Sigma_bar_p)
-    + (mu_bar_p - mu_bar_q)^T Sigma_q^{-1} (mu_bar_p - mu_bar_q)``, where, with
-    ``Sigma_bar_p = (L_p N_p)(L_p N_p)^T`` (see ``variance``),
-    ``tr(Sigma_q^{-1} Sigma_bar_p) = ||L_q^{-1} L_p N_p||_F^2``, a sum of squares:
-    ``sum_i Sigma_bar_p,ii / s_q,i^2`` when q's covariance is diagonal (O(n a^2) when p's
-    is too), O(n^3) otherwise. That A and k agree is
-    checked when they are concrete; under ``jit`` it cannot be.
-    """
-    _same_constraint(p, q)
-    mean_diff = p.mean - q.mean
-    if q._diagonal:
-        q_variance = jnp.square(q.scale)
-        trace = jnp.sum(p._variance() / q_variance, -1)
-        maha = jnp.sum(jnp.square(mean_diff) / q_variance, -1)
-    else:
-        p_factor, p_correction = p._second_moment_factors()
-        q_tril = q.scale_tril
-        # One triangular solve for the three right-hand sides: independent batched solves
-        # may run at once and deadlock (see _after).
-        right = jnp.broadcast_shapes(
-            p_factor.shape[:-2], p_correction.shape[:-2], mean_diff.shape[:-1]
-        )
-        n = mean_diff.shape[-1]
-        columns = [
-            jnp.broadcast_to(p_factor, right + p_factor.shape[-2:]),
-            jnp.broadcast_to(
-                jnp.swapaxes(p_correction, -1, -2), right + (n, p_correction.shape[-2])
-            ),
-            jnp.broadcast_to(mean_diff[..., None], right + (n, 1)),
-        ]
-        stacked = jnp.concatenate(columns, -1)
-        batch = jnp.broadcast_shapes(q_tril.shape[:-2], stacked.shape[:-2])
-        whitened = jax.scipy.linalg.solve_triangular(
-            jnp.broadcast_to(q_tril, batch + q_tril.shape[-2:]),
-            jnp.broadcast_to(stacked, batch + stacked.shape[-2:]),
-            lower=True,
-        )
-        trace = jnp.sum(jnp.square(whitened[..., :-1]), (-2, -1))
-        maha = jnp.sum(jnp.square(whitened[..., -1]), -1)
-    cross_entropy = 0.5 * (trace + maha) - q._log_normalizer
-    return cross_entropy - p.entropy()
+vmap_over.register(LinearConstrainedNormal, _vmap_over_linear_constrained_normal)
+promote_batch_shape.register(
+    LinearConstrainedNormal, _promote_batch_shape_linear_constrained_normal
+)
+kl_divergence.register(LinearConstrainedNormal, LinearConstrainedNormal)(
+    _kl_linear_constrained_normal
+)
