@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 import scipy.stats
 import torch
-from hypothesis import assume, given
+from hypothesis import assume, given, settings
 
 import numpyro_constrained
 import pyro_constrained
@@ -950,3 +950,147 @@ def test_gradients_match_float64_finite_differences(drawn, seed, dtype_name):
     for direction, with_log_prob in ((along_parameters, True), (along_k, False)):
         fixed["with_log_prob"] = with_log_prob
         _directional_check(quantities, theta0, direction, fixed, condition, dtype_name, to)
+
+
+# --- NumPyro gradients against an independent 40-digit reference (issue 29) --------------
+
+
+def _null_space_quantities(loc, log_scale, A, k, points, move=None, dps: int = 40) -> list:
+    """``[mean, variance, entropy, log_prob(points)]`` of the conditional Gaussian as
+    ``dps``-digit numbers, computed in an orthonormal basis ``N`` of null(A) (no
+    ``A Sigma A^T``, no whitened QR): ``P = N^T Sigma^{-1} N`` is the precision of the
+    coordinates ``u = N^T (z - mean)``, whose density is the one on the subspace. ``move``:
+    ``(step, (d_loc, d_log_scale))``, parameters moved by ``step`` times that direction in
+    the same arithmetic (a float64 sum would round the step)."""
+    with mpmath.workdps(dps):
+        n, a = A.shape[1], A.shape[0]
+        step, (d_loc, d_log_scale) = move if move is not None else (0, (loc, log_scale))
+        step = mpmath.mpf(step)
+        loc = [mpmath.mpf(x) + step * mpmath.mpf(d) for x, d in zip(loc, d_loc, strict=True)]
+        log_scale = [
+            mpmath.mpf(x) + step * mpmath.mpf(d)
+            for x, d in zip(log_scale, d_log_scale, strict=True)
+        ]
+        A_mp = mpmath.matrix(A.tolist())
+        basis = mpmath.qr(A_mp.T, mode="full")[0][:, a:]
+        z0 = A_mp.T * mpmath.lu_solve(A_mp * A_mp.T, mpmath.matrix(k.tolist()))
+        inverse_variance = mpmath.diag([mpmath.exp(-2 * x) for x in log_scale])
+        precision = basis.T * inverse_variance * basis
+        covariance = mpmath.inverse(precision)
+        shift = mpmath.matrix(loc) - z0
+        mean = z0 + basis * (covariance * (basis.T * (inverse_variance * shift)))
+        variance = [(basis[i, :] * covariance * basis[i, :].T)[0] for i in range(n)]
+        log_det = mpmath.log(mpmath.det(precision))
+        half_log_2pi = mpmath.log(2 * mpmath.pi) / 2
+        dim = n - a
+        values = [mean[i] for i in range(n)] + variance
+        values.append(dim * (mpmath.mpf(1) / 2 + half_log_2pi) - log_det / 2)
+        for point in points:
+            u = basis.T * (mpmath.matrix([mpmath.mpf(x) for x in point]) - mean)
+            values.append(-(u.T * precision * u)[0] / 2 + log_det / 2 - dim * half_log_2pi)
+        return values
+
+
+def _as_float(values) -> np.ndarray:
+    return np.array([float(v) for v in values])
+
+
+def _null_space_quantities_float64(loc, log_scale, A, points) -> np.ndarray:
+    """What :func:`_null_space_quantities` computes except the mean's offset (``k`` enters
+    only through it, and the derivatives below are in ``loc`` and the scales), in float64:
+    for the sizes of the derivatives' terms, needed to a digit or two."""
+    a = A.shape[0]
+    basis = np.linalg.qr(A.T, mode="complete")[0][:, a:]
+    inverse_variance = np.exp(-2 * log_scale)
+    precision = basis.T @ (inverse_variance[:, None] * basis)
+    covariance = np.linalg.inv(precision)
+    mean = basis @ (covariance @ (basis.T @ (inverse_variance * loc)))
+    variance = np.einsum("ij,jk,ik->i", basis, covariance, basis)
+    log_det = np.linalg.slogdet(precision)[1]
+    u = (points - mean) @ basis
+    log_prob = -np.einsum("pi,ij,pj->p", u, precision, u) / 2 + log_det / 2
+    return np.concatenate([mean, variance, [-log_det / 2], log_prob])
+
+
+def _numpyro_quantities(loc, log_scale, A, k, points):
+    # The support check is not under test here: a point rounded to float32 is off the
+    # subspace by its rounding, so the tolerance is that of measured data.
+    dist = numpyro_constrained.LinearConstrainedNormal(
+        loc, jnp.exp(log_scale), A=A, k=k, rtol=1e-4, validate_args=False
+    )
+    return jnp.concatenate([dist.mean, dist.variance, dist.entropy()[None], dist.log_prob(points)])
+
+
+@jax.jit
+def _numpyro_directional_derivative(theta, direction, A, k, points):
+    """The quantities and their derivative along ``direction`` in (loc, log scale), in one
+    compiled program per shape and dtype."""
+    return jax.jvp(lambda *t: _numpyro_quantities(*t, A, k, points), theta, direction)
+
+
+@pytest.mark.parametrize("dtype_name", DTYPES)
+@given(
+    drawn=problems(max_scale_decades=4.0, max_log10_loc=1.0, shapes=((3, 1), (5, 2))),
+    seed=st.integers(0, 2**16),
+)
+# A third of the profile's examples: each costs 4 reference evaluations in 40 digits.
+@settings(max_examples=max(1, settings.default.max_examples // 3))
+def test_numpyro_gradients_match_a_40_digit_reference(drawn, seed, dtype_name):
+    """The derivatives of NumPyro's ``mean``, ``variance``, ``entropy`` and ``log_prob`` (of
+    fixed points on the subspace) along a joint move of ``loc`` and the log scales, by JAX's
+    forward mode in the dtype, against five-point central differences of the 40-digit
+    null-space reference: within the documented ``256 eps cond(A)`` times the size of each
+    derivative's terms (``|J| |u|`` from float64 differences of the same formulas, plus
+    the quantity itself; docs/numerics.md). The differences' own error is below 1e-14 of
+    that size (h^4 truncation, 40-digit rounding)."""
+    (_, scale, A, _), condition = drawn
+    assume(condition < 1e3)
+    rng = np.random.default_rng(seed)
+    loc = scale * rng.normal(size=len(scale))
+    k = A @ (loc + scale * rng.normal(size=len(scale)))
+    loc, scale, A, k = _rounded((loc, scale, A, k), dtype_name)
+    (log_scale,) = _rounded((np.log(scale),), dtype_name)
+    n = len(loc)
+    # Two points of the subspace about a conditional standard deviation from the mean.
+    reference0 = _as_float(_null_space_quantities(loc, log_scale, A, k, np.zeros((0, n)), dps=16))
+    mean, deviation = reference0[:n], np.sqrt(reference0[n : 2 * n])
+    basis = np.linalg.qr(A.T, mode="complete")[0][:, A.shape[0] :]
+    points = mean + (rng.normal(size=(2, n)) * deviation) @ basis @ basis.T
+    (points,) = _rounded((points,), dtype_name)
+    direction = _rounded((scale * rng.normal(size=n), rng.normal(size=n)), dtype_name)
+
+    h = 1e-4
+    with mpmath.workdps(40):
+        at = {
+            step: _null_space_quantities(loc, log_scale, A, k, points, (step * h, direction))
+            for step in (-2, -1, 1, 2)
+        }
+        finite_difference = _as_float(
+            (8 * (p1 - m1) - (p2 - m2)) / (12 * mpmath.mpf(h))
+            for p1, m1, p2, m2 in zip(at[1], at[-1], at[2], at[-2], strict=True)
+        )
+    # |J| |u| by central differences of the float64 reference (a size, needed to a digit
+    # or two), plus the quantities themselves.
+    size = np.abs(_as_float(at[1]))
+    for part in range(2):
+        for i in range(n):
+            theta = [np.array(loc), np.array(log_scale)]
+            theta[part][i] += 1e-6
+            plus = _null_space_quantities_float64(*theta, A, points)
+            theta[part][i] -= 2e-6
+            minus = _null_space_quantities_float64(*theta, A, points)
+            size += np.abs((plus - minus) / 2e-6 * direction[part][i])
+
+    dtype = DTYPES[dtype_name][1]
+    as_jax = lambda x: jnp.asarray(x, dtype=dtype)  # noqa: E731
+    _, derivative = _numpyro_directional_derivative(
+        (as_jax(loc), as_jax(log_scale)),
+        (as_jax(direction[0]), as_jax(direction[1])),
+        as_jax(A),
+        as_jax(k),
+        as_jax(points),
+    )
+    derivative = np.asarray(derivative, np.float64)
+    tolerance = 256 * _eps(dtype_name) * condition * size
+    error = np.abs(derivative - finite_difference)
+    assert np.all(error <= tolerance), (error / tolerance, derivative, finite_difference)
