@@ -99,8 +99,9 @@ def test_nuts_without_reparam_loc_case_matches():
 def test_nuts_without_reparam_latent_k_matches():
     """NumPyro recomputes biject_to(fn.support) in every potential-energy call, so the chain is
     right; MCMC.get_samples() maps the draws back with the transforms of the initial trace
-    unless the support is flagged dynamic, which the subspace support is (it poses as an
-    interval with array bounds). Before that, z landed on the initial subspace."""
+    unless the support is flagged dynamic, which the subspace support is (through
+    numpyro_constrained._compat.DynamicSupport). Before that, z landed on the initial
+    subspace."""
     d = draws_of(run_nuts(make_model(*K_CASE)).get_samples())
     residual = d[:, 1:].sum(-1) - K_CASE[2][0] * d[:, 0]  # A z - k(t): on the current subspace
     assert np.abs(residual).max() < 1e-9
@@ -112,3 +113,25 @@ def test_the_subspace_support_makes_numpyro_replay_the_model():
 
     _, replay_model, _, _ = _get_model_transforms(seed(make_model(*K_CASE), 0))
     assert replay_model
+
+
+def test_autodelta_with_reparam_finds_the_exact_posterior_mean_when_k_moves():
+    """NumPyro's AutoGuides fix each site's bijection at the first trace (they do not replay
+    the model), so a site whose k depends on a latent needs the reparam under SVI: its
+    latent coordinates (t, z_decentered) are then jointly Gaussian a posteriori, and
+    AutoDelta's optimum, the posterior mode, is the exact posterior mean."""
+    from numpyro.infer import SVI, Trace_ELBO
+    from numpyro.infer.autoguide import AutoDelta
+
+    model = reparam(make_model(*K_CASE), config={"z": LinearConstrainedNormalReparam()})
+    guide = AutoDelta(model)
+    svi = SVI(model, guide, numpyro.optim.Adam(lambda step: 0.05 * 0.995**step), Trace_ELBO())
+    result = svi.run(jax.random.PRNGKey(0), 1000, progress_bar=False)
+    assert np.isfinite(result.losses[-1])
+    latent = guide.median(result.params)
+    posterior = {name: value[None] for name, value in latent.items()}
+    samples = Predictive(model, posterior, return_sites=["t", "z"])(jax.random.PRNGKey(1))
+    draw = draws_of(samples)[0]
+    mean, _ = exact_posterior(MU0, K_CASE[0], S, A, K_CASE[1], K_CASE[2], SIGMA, Y)
+    np.testing.assert_allclose(draw, mean, atol=1e-3)
+    assert abs(draw[1:].sum() - K_CASE[2][0] * draw[0]) < 1e-9  # on t's subspace
