@@ -262,7 +262,7 @@ class LinearConstrainedNormal(Distribution):
         constraint = arguments.constraint
         # Kept at its own shape, as A, k and the factor are: a leaf broadcast to the batch
         # shape would keep, inside a vmap over another parameter, the axis mapped away
-        # (``vmap_over(d, scale=0)`` then gave one row of log-densities per element).
+        # (``vmap_over(d, scale=0)`` would give one row of log-densities per element).
         self.loc = arguments.loc
         self._factor = arguments.factor
         self._diagonal = arguments.diagonal
