@@ -55,8 +55,8 @@ from pyro_constrained._conditioned_poisson_tracing import static_under_trace
 from pyro_constrained._repr import parameters_repr
 
 __all__ = ["ConditionedPoisson", "integer_composition", "positive_finite"]
-# The imports marked noqa are re-exports: names this module defined before it was split into
-# the _conditioned_poisson_* modules, which losses.py and callers may import from here.
+# The imports marked noqa are re-exports: names of the _conditioned_poisson_* modules that
+# losses.py and callers import from this module.
 
 _EMPTY_SIZE = torch.Size()
 

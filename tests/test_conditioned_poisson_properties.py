@@ -32,7 +32,9 @@ from numpyro.distributions.kl import kl_divergence as jax_kl_divergence
 from scipy import special, stats
 
 import numpyro_constrained
+import numpyro_constrained._conditioned_poisson_sampler as jax_sampler
 import pyro_constrained
+import pyro_constrained._conditioned_poisson_sampler as torch_sampler
 from tests.oracles import poisson as oracle
 
 DTYPE_NAMES = ["float32", "float64"]
@@ -419,12 +421,8 @@ def _chi_square_pvalue(samples, rate, k):
 @pytest.mark.parametrize("sequential", [False, True], ids=["categorical", "sequential"])
 def test_samples_pass_chi_square_against_enumeration(monkeypatch, rate, sequential, dtype_name):
     if sequential:
-        monkeypatch.setattr(
-            pyro_constrained.conditioned_poisson, "SEQUENTIAL_BINOMIAL_MIN_K_PER_CATEGORY", 0
-        )
-        monkeypatch.setattr(
-            numpyro_constrained.conditioned_poisson, "SEQUENTIAL_BINOMIAL_MIN_K_PER_CATEGORY", 0
-        )
+        monkeypatch.setattr(torch_sampler, "SEQUENTIAL_BINOMIAL_MIN_K_PER_CATEGORY", 0)
+        monkeypatch.setattr(jax_sampler, "SEQUENTIAL_BINOMIAL_MIN_K_PER_CATEGORY", 0)
     k = 4
     held = _rounded(rate, dtype_name)
     torch_samples = _torch(rate, k, dtype_name).sample((3000,))
