@@ -237,6 +237,9 @@ class ConditionedPoisson(Distribution):
         return self.grad_estimator != "score_function"
 
     def expand(self, batch_shape) -> ConditionedPoisson:
+        """A view of this distribution with batch shape ``batch_shape`` (an instance of the same
+        class whose parameters are broadcast, not an ``ExpandedDistribution``). Raises
+        ``ValueError`` where the current batch shape does not broadcast to ``batch_shape``."""
         batch_shape = tuple(batch_shape)
         if batch_shape == self.batch_shape:
             return self

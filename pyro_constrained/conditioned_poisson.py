@@ -205,7 +205,13 @@ class ConditionedPoisson(TorchDistribution):
         ``ValueError`` where the current batch shape does not broadcast to ``batch_shape``."""
         new = self._get_checked_instance(ConditionedPoisson, _instance)
         batch_shape = torch.Size(batch_shape)
-        new.rate = self.rate.expand(batch_shape + self.event_shape)
+        try:
+            new.rate = self.rate.expand(batch_shape + self.event_shape)
+        except RuntimeError as error:
+            raise ValueError(
+                f"Cannot broadcast distribution of shape {tuple(self.batch_shape)} to shape "
+                f"{tuple(batch_shape)}"
+            ) from error
         new.k = self.k.expand(batch_shape)
         new.k_max = self.k_max
         new.grad_estimator = self.grad_estimator

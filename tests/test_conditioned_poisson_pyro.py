@@ -384,6 +384,11 @@ def test_expand_and_infer_shapes():
         ConditionedPoisson(torch.ones(2, 3), k=torch.ones(4, 1, dtype=torch.long)).batch_shape,
         (3,),
     )
+    # As NumPyro's expand: a ValueError naming both shapes, not torch's RuntimeError.
+    with pytest.raises(
+        ValueError, match=r"Cannot broadcast distribution of shape \(2,\) to shape \(4,\)"
+    ):
+        d.expand((4,))
 
 
 def test_plate_and_sample_shape():
