@@ -40,8 +40,8 @@ def _sample_counts(
         weights = weights / weights.amax(-1, keepdim=True)
         draws = torch.multinomial(weights, num_samples * k_max, replacement=True)
         draws = draws.view(rows, num_samples, k_max)
-        with static_under_trace():  # k, not the rates
-            every_k_is_k_max = bool((k_rows == k_max).all())
+        # Under a trace always masked: k may be a traced input bounded by k_max.
+        every_k_is_k_max = not torch.jit.is_tracing() and bool((k_rows == k_max).all())
         if every_k_is_k_max:
             weights = rate.new_ones(()).expand_as(draws)
         else:

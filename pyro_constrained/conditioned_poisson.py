@@ -162,7 +162,9 @@ class ConditionedPoisson(TorchDistribution):
         # Shapes and k only: static under torch.jit.trace (see _k_bound).
         with static_under_trace():
             batch_shape = self._check_shapes_and_k(rate, k, k_max)
-            k = torch.as_tensor(k, device=rate.device)
+            if not isinstance(k, torch.Tensor):
+                k = torch.as_tensor(k)
+            k = k.to(rate.device)
         event_shape = rate.shape[-1:]
         self.rate = rate.expand(batch_shape + event_shape)
         # Stored in rate's dtype, as Binomial stores total_count (exact: checked above).
@@ -183,7 +185,11 @@ class ConditionedPoisson(TorchDistribution):
         if rate.shape[-1] < 1:
             raise ValueError("rate must have at least one category (rate.shape[-1] >= 1)")
         check_count(k, concrete=True, name="k")
-        k = torch.as_tensor(k, device=rate.device)
+        k = (
+            k.to(rate.device)
+            if isinstance(k, torch.Tensor)
+            else torch.as_tensor(k, device=rate.device)
+        )
         try:
             batch_shape = torch.broadcast_shapes(rate.shape[:-1], k.shape)
         except RuntimeError as error:

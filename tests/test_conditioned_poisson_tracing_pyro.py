@@ -138,6 +138,25 @@ def test_traced_sequential_sampler_replays_with_a_tiny_rate():
     assert z.tolist() == [[0.0, 100.0]] * 50
 
 
+def test_traced_k_bounded_by_k_max_replays_with_another_k():
+    # k an input of the trace, traced at k = k_max: k_max, not the k of the first call, sizes
+    # the draws and tables, and the draws past each k stay masked.
+    value = torch.tensor([[1.0, 0.0, 2.0, 4.0], [0.0, 0.0, 0.0, 3.0]], dtype=torch.float64)
+
+    def quantities(rate, k):
+        d = ConditionedPoisson(rate, k=k, k_max=8, validate_args=False)
+        return d.log_prob(value), d.entropy(), d.sample((20,))
+
+    rate = torch.tensor([[1.0, 2.0, 3.0, 4.0], [1e-8, 1e-8, 1e-8, 1.0]], dtype=torch.float64)
+    traced = _trace_without_tracer_warnings(quantities, (rate, torch.tensor([8, 8])))
+    k = torch.tensor([7, 3])
+    log_prob, entropy, z = traced(rate, k)
+    d = ConditionedPoisson(rate, k=k)
+    assert torch.allclose(log_prob, d.log_prob(value), rtol=1e-12)
+    assert torch.allclose(entropy, d.entropy(), rtol=1e-12)
+    assert z.sum(-1).tolist() == [[7.0, 3.0]] * 20
+
+
 def _model():
     pyro.sample("z", ConditionedPoisson(torch.ones(N), k=K))
 
