@@ -130,7 +130,8 @@ def _binomial_pmf_and_cdf_at(dist: ConditionedPoisson, target_floor: torch.Tenso
     ``[0, k]``), in float64, by summing the pmf over ``0..k``: differentiable in the rates."""
     log_p, log1m_p = _normalized_log_probs(dist.rate)
     log1m_p = log1m_p.clamp(min=_finite_log_zero(torch.float64))
-    k_max = int(dist.k.max()) if dist.k.numel() else 0
+    # The static bound on k, not k's values read here: see ConditionedPoisson._k_bound.
+    k_max = dist._k_bound
     j = torch.arange(k_max + 1, dtype=torch.float64, device=log_p.device)
     k = dist.k.double().unsqueeze(-1).unsqueeze(-1)
     in_range = j <= k
@@ -157,7 +158,8 @@ def _(dist: ConditionedPoisson, target: torch.Tensor) -> torch.Tensor:
     (integer or not, inside ``[0, k]`` or not), accumulated in float64 and returned in the
     promotion of the rates' and a floating target's dtypes. Its gradient in ``y`` is
     ``2 F(f) - 1``, one-sided at integer ``y``, where the loss has a kink."""
-    target = torch.as_tensor(target, device=dist.rate.device)
+    if not isinstance(target, torch.Tensor):  # as_tensor of a tensor warns under jit.trace
+        target = torch.as_tensor(target, device=dist.rate.device)
     if not target.is_floating_point():
         target = target.to(dist.rate.dtype)
     dtype = torch.promote_types(dist.rate.dtype, target.dtype)

@@ -66,13 +66,18 @@ def _jax_results(dtype):
 
     def scalar(rate, value):
         z = numpyro_constrained.ConditionedPoisson(rate, k=K).sample(jax.random.PRNGKey(0), (2,))
-        total = sum(jnp.sum(r) for r in results(rate, value).values())
-        return total + jnp.sum(jnp.asarray(WEIGHTS, dtype) * z)
+        values = results(rate, value)
+        total = sum(jnp.sum(r) for r in values.values())
+        return total + jnp.sum(jnp.asarray(WEIGHTS, dtype) * z), values
 
     rate, value = jnp.asarray(RATE, dtype), jnp.asarray(VALUE, dtype)
-    # Compiled whole: eager JAX would compile every primitive of the gradient separately.
-    out = {name: np.asarray(r) for name, r in jax.jit(results)(rate, value).items()}
-    out["grad_rate"], out["grad_value"] = jax.jit(jax.grad(scalar, argnums=(0, 1)))(rate, value)
+    out = {}
+    # Compiled whole, values and gradients in one program: eager JAX would compile every
+    # primitive of the gradient separately, and a second program would compile the values
+    # again.
+    gradient = jax.jit(jax.grad(scalar, argnums=(0, 1), has_aux=True))
+    (out["grad_rate"], out["grad_value"]), values = gradient(rate, value)
+    out = {name: np.asarray(r) for name, r in values.items()} | out
     out["sample_dtype"] = (
         numpyro_constrained.ConditionedPoisson(rate, k=K).sample(jax.random.PRNGKey(1)).dtype
     )

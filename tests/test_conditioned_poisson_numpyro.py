@@ -324,6 +324,10 @@ def test_expand_and_infer_shapes():
     np.testing.assert_array_equal(z.sum(-1), np.broadcast_to([2.0, 4.0], (5, 2)))
     np.testing.assert_allclose(expanded.log_prob(z), d.log_prob(z))
     assert ConditionedPoisson.infer_shapes(rate=(2, 3), k=(4, 1)) == ((4, 2), (3,))
+    with pytest.raises(
+        ValueError, match=r"Cannot broadcast distribution of shape \(2,\) to shape \(4,\)"
+    ):
+        d.expand((4,))
 
 
 def test_jit_and_vmap_over_rate_and_k():

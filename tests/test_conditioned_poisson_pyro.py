@@ -9,7 +9,7 @@ import pytest
 import torch
 from scipy import special, stats
 
-import pyro_constrained.conditioned_poisson as cp_module
+import pyro_constrained._conditioned_poisson_sampler as sampler_module
 from pyro_constrained import ConditionedPoisson
 from pyro_constrained.losses import expected_l1_loss, expected_l2_loss
 from tests.oracles import poisson as oracle
@@ -149,7 +149,7 @@ def test_scalar_rate_raises_value_error():
 @pytest.mark.parametrize("sequential", [False, True], ids=["categorical", "sequential-binomial"])
 def test_samples_pass_chi_square_against_enumeration(monkeypatch, sequential):
     if sequential:
-        monkeypatch.setattr(cp_module, "SEQUENTIAL_BINOMIAL_MIN_K_PER_CATEGORY", 0)
+        monkeypatch.setattr(sampler_module, "SEQUENTIAL_BINOMIAL_MIN_K_PER_CATEGORY", 0)
     rate = np.array([0.5, 1.0, 2.5])
     samples = ConditionedPoisson(torch.tensor(rate), k=4).sample((4000,))
     assert oracle.composition_chi_square_pvalue(samples.numpy(), rate, 4) > 1e-3
@@ -158,7 +158,7 @@ def test_samples_pass_chi_square_against_enumeration(monkeypatch, sequential):
 @pytest.mark.parametrize("sequential", [False, True], ids=["categorical", "sequential-binomial"])
 def test_per_batch_k_samples_are_exact(monkeypatch, sequential):
     if sequential:
-        monkeypatch.setattr(cp_module, "SEQUENTIAL_BINOMIAL_MIN_K_PER_CATEGORY", 0)
+        monkeypatch.setattr(sampler_module, "SEQUENTIAL_BINOMIAL_MIN_K_PER_CATEGORY", 0)
     rate = np.array([[1.0, 2.0, 1.0], [0.2, 0.3, 3.0]])
     k = torch.tensor([2, 5])
     samples = ConditionedPoisson(torch.tensor(rate), k=k).sample((3000,))
@@ -384,6 +384,11 @@ def test_expand_and_infer_shapes():
         ConditionedPoisson(torch.ones(2, 3), k=torch.ones(4, 1, dtype=torch.long)).batch_shape,
         (3,),
     )
+    # As NumPyro's expand: a ValueError naming both shapes, not torch's RuntimeError.
+    with pytest.raises(
+        ValueError, match=r"Cannot broadcast distribution of shape \(2,\) to shape \(4,\)"
+    ):
+        d.expand((4,))
 
 
 def test_plate_and_sample_shape():
