@@ -111,6 +111,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from constrained_ppl.arguments import check_head_options
+from constrained_ppl.conformal import check_calibration, chi2_quantile, conformal_rank
 from pyro_constrained.linear_constrained_normal import LinearConstrainedNormal
 from pyro_constrained.linear_constraint import LinearConstraint
 from pyro_constrained.losses import expected_l1_loss, expected_l2_loss
@@ -340,19 +341,50 @@ class LinearConstrainedNormalHead(nn.Module):
         return self(features, k).mean
 
     @torch.no_grad()
-    def calibrate(self, features: torch.Tensor, k: torch.Tensor, target: torch.Tensor) -> float:
-        """Fit the scale factor ``t`` by maximum likelihood on held-out examples and store it.
+    def calibrate(
+        self,
+        features: torch.Tensor,
+        k: torch.Tensor,
+        target: torch.Tensor,
+        *,
+        method: str = "conformal",
+        coverage: float = 0.9,
+    ) -> float:
+        """Fit the scale factor ``t`` on held-out examples and store it (the mean does not
+        change), from their squared Mahalanobis distances on the ``(n - a)``-dimensional
+        subspace, ``M = ||(y - mean) / s||^2``. Returns ``t``.
 
-        For ``Sigma -> t^2 Sigma`` the log-density of ``y`` on the ``(n - a)``-dimensional
-        subspace changes as ``-(n - a) log t - M / (2 t^2)`` with
-        ``M = ||(y - mean) / s||^2`` (the mean does not depend on ``t``), so the
-        maximiser over N examples is ``t^2 = sum M / (N (n - a))``. Returns ``t``.
+        - ``method="conformal"`` (default): split conformal prediction on ``M``,
+          ``t^2 = M_(r) / chi2_{n-a}(coverage)`` with ``M_(r)`` the ``r = ceil((N + 1)
+          coverage)``-th smallest of the ``N`` distances. The predictive distribution's
+          ``coverage`` highest-density region (an ellipsoid on the subspace) then contains
+          a new example with probability at least ``coverage`` when the held-out and new
+          examples are exchangeable (a random split), whatever the residuals'
+          distribution. The central per-output intervals get no such guarantee (they are
+          wider than needed where the residuals are heavier-tailed than Gaussian), and a
+          sequential split, where the new examples extrapolate, breaks exchangeability:
+          nothing calibrated on earlier rows guarantees coverage there. ``ValueError`` for
+          fewer than ``coverage / (1 - coverage)`` examples.
+        - ``"likelihood"``: the maximum-likelihood factor: for ``Sigma -> t^2 Sigma`` the
+          log-density changes as ``-(n - a) log t - M / (2 t^2)``, so
+          ``t^2 = sum M / (N (n - a))`` (``coverage`` unused).
+
+        Where the held-out rows are in time order and new rows extrapolate in time,
+        calibrating on the most recent of them only is an option (``benchmarks/README.md``,
+        surrogate benchmark).
         """
+        check_calibration(method, coverage)
         self.scale_factor.fill_(1.0)
         dist = self(features, k)
         mahalanobis = ((target - dist.mean) / dist.scale).square().sum(-1)
+        mahalanobis = mahalanobis.expand(dist.batch_shape).reshape(-1)
         free = self.constraint.n - self.constraint.a
-        factor = (mahalanobis.mean() / free).sqrt()
+        if method == "conformal":
+            rank = conformal_rank(mahalanobis.shape[0], coverage)
+            squared = mahalanobis.sort().values[rank - 1] / chi2_quantile(coverage, free)
+        else:
+            squared = mahalanobis.mean() / free
+        factor = squared.sqrt()
         if not bool(torch.isfinite(factor)) or not factor > 0:
             raise ValueError(f"calibrate: the held-out data give a scale factor of {factor}")
         self.scale_factor.fill_(factor)
