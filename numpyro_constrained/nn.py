@@ -49,9 +49,15 @@ target that satisfies the balances than the unconstrained ``loc`` (``||P(loc) - 
 What the benchmark of ``benchmarks/surrogate.py`` shows, and where the head does not win,
 is summarised in :mod:`pyro_constrained.nn` (the same recipe).
 
-**Calibration**: :func:`calibrate_head` fits one factor ``t`` for all scales by maximum
-likelihood on held-out data, ``t^2 = mean ||(y - mean) / s||^2 / (n - a)``; the mean does
-not change.
+**Calibration**: :func:`calibrate_head` fits one factor ``t`` for all scales on held-out
+data (the mean does not change): by default split conformal prediction on the squared
+Mahalanobis distance ``M = ||(y - mean) / s||^2``, ``t^2 = M_(r) / chi2_{n-a}(coverage)``,
+``M_(r)`` the ``ceil(coverage (N + 1))``-th smallest held-out distance, which makes the
+predictive distribution's ``coverage`` region contain a new example with probability at
+least ``coverage`` when the held-out and new examples are exchangeable (not under a
+sequential split; the per-output intervals have no such guarantee); or, with
+``method="likelihood"``, the maximum-likelihood factor ``t^2 = mean M / (n - a)``.
+:mod:`pyro_constrained.nn` states the guarantee and what the benchmark measured.
 
 **Scale**: ``s = min_scale + softplus(raw)`` in units of ``output_scale``, with ``raw`` one
 learned vector (``"per_output"``, default: homoscedastic, one factorisation of
