@@ -35,8 +35,13 @@ averaged over the batch, in the scaled units the test MSE is measured in):
 
 Reported: test MSE (mean and standard error over the seeds, x 1e-4), the largest relative
 balance violation ``|A y - k| / (|A| |y| + |k|)`` of the predicted means on the test rows
-(in the outputs' own units, float64), and the coverage of the heads' central 90% intervals
-on the test rows (outputs the balances leave free).
+(in the outputs' own units, float64), and for the heads the coverage of the test rows by
+the central 90% intervals (outputs the balances leave free), calibrated on the validation
+rows by :func:`~numpyro_constrained.nn.calibrate_head`'s default (split conformal on the
+Mahalanobis distance, coverage 0.9); the coverage by the calibrated 90% region (the
+ellipsoid on the subspace, the set the conformal guarantee is about); and the per-output
+coverage with the maximum-likelihood factor (``method="likelihood"``) and with the default
+calibrated on the most recent half of the validation rows only.
 
 Efficiency: the seeds are one ensemble (parameters stacked, ``jax.vmap``), and all epochs of
 one process, split and method run as one jitted ``lax.scan``; float32 (x64 off), as NumPyro
