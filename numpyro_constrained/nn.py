@@ -49,9 +49,15 @@ target that satisfies the balances than the unconstrained ``loc`` (``||P(loc) - 
 What the benchmark of ``benchmarks/surrogate.py`` shows, and where the head does not win,
 is summarised in :mod:`pyro_constrained.nn` (the same recipe).
 
-**Calibration**: :func:`calibrate_head` fits one factor ``t`` for all scales by maximum
-likelihood on held-out data, ``t^2 = mean ||(y - mean) / s||^2 / (n - a)``; the mean does
-not change.
+**Calibration**: :func:`calibrate_head` fits one factor ``t`` for all scales on held-out
+data (the mean does not change): by default split conformal prediction on the squared
+Mahalanobis distance ``M = ||(y - mean) / s||^2``, ``t^2 = M_(r) / chi2_{n-a}(coverage)``,
+``M_(r)`` the ``ceil(coverage (N + 1))``-th smallest held-out distance, which makes the
+predictive distribution's ``coverage`` region contain a new example with probability at
+least ``coverage`` when the held-out and new examples are exchangeable (not under a
+sequential split; the per-output intervals have no such guarantee); or, with
+``method="likelihood"``, the maximum-likelihood factor ``t^2 = mean M / (n - a)``.
+:mod:`pyro_constrained.nn` states the guarantee and what the benchmark measured.
 
 **Scale**: ``s = min_scale + softplus(raw)`` in units of ``output_scale``, with ``raw`` one
 learned vector (``"per_output"``, default: homoscedastic, one factorisation of
@@ -72,6 +78,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from constrained_ppl.arguments import check_head_options
+from constrained_ppl.conformal import check_calibration, chi2_quantile, conformal_rank
 from numpyro_constrained.linear_constrained_normal import LinearConstrainedNormal
 from numpyro_constrained.linear_constraint import LinearConstraint
 from numpyro_constrained.losses import expected_l1_loss, expected_l2_loss
@@ -292,12 +299,31 @@ def calibrate_head(
     target: jax.Array,
     *,
     prediction: str = "projection",
+    method: str = "conformal",
+    coverage: float = 0.9,
 ) -> dict:
-    """A copy of ``state`` whose ``scale_factor`` ``t`` maximises the likelihood of held-out
-    examples: for ``Sigma -> t^2 Sigma`` the log-density on the ``(n - a)``-dimensional
-    subspace changes as ``-(n - a) log t - M / (2 t^2)``, ``M = ||(y - mean) / s||^2``
-    (the mean does not depend on ``t``), so ``t^2 = sum M / (N (n - a))``. Pass the
-    ``prediction`` that :func:`head_distribution` will be called with.
+    """A copy of ``state`` whose ``scale_factor`` ``t`` is fitted on held-out examples
+    (the mean does not change), from their squared Mahalanobis distances on the
+    ``(n - a)``-dimensional subspace, ``M = ||(y - mean) / s||^2``:
+
+    - ``method="conformal"`` (default): split conformal prediction on ``M``,
+      ``t^2 = M_(r) / chi2_{n-a}(coverage)`` with ``M_(r)`` the ``r = ceil((N + 1)
+      coverage)``-th smallest of the ``N`` distances. The predictive distribution's
+      ``coverage`` highest-density region (an ellipsoid on the subspace) then contains a
+      new example with probability at least ``coverage`` when the held-out and new
+      examples are exchangeable (a random split), whatever the residuals' distribution.
+      The central per-output intervals get no such guarantee (they are wider than needed
+      where the residuals are heavier-tailed than Gaussian), and a sequential split, where
+      the new examples extrapolate, breaks exchangeability: nothing calibrated on earlier
+      rows guarantees coverage there. ``ValueError`` for fewer than
+      ``coverage / (1 - coverage)`` examples.
+    - ``"likelihood"``: the maximum-likelihood factor: for ``Sigma -> t^2 Sigma`` the
+      log-density changes as ``-(n - a) log t - M / (2 t^2)``, so
+      ``t^2 = sum M / (N (n - a))`` (``coverage`` unused).
+
+    Pass the ``prediction`` that :func:`head_distribution` will be called with. Where the
+    held-out rows are in time order and new rows extrapolate in time, calibrating on the
+    most recent of them only is an option (``benchmarks/README.md``, surrogate benchmark).
 
     Examples
     --------
@@ -310,17 +336,25 @@ def calibrate_head(
     >>> features = jax.random.normal(jax.random.PRNGKey(1), (5, 4))
     >>> k = jax.random.normal(jax.random.PRNGKey(2), (5, 1))
     >>> target = constraint.project(jax.random.normal(jax.random.PRNGKey(3), (5, 3)), k)
-    >>> calibrated = calibrate_head(params, state, features, k, target)
+    >>> calibrated = calibrate_head(params, state, features, k, target, method="likelihood")
     >>> d = head_distribution(params, calibrated, features, k)
     >>> m = (((target - d.mean) / d.scale) ** 2).sum(-1).mean()  # n - a = 2 on average now
     >>> round(float(m), 3)
     2.0
     """
+    check_calibration(method, coverage)
     state = dict(state, scale_factor=jnp.ones_like(state["scale_factor"]))
     dist = head_distribution(params, state, features, k, prediction=prediction)
     mahalanobis = jnp.sum(jnp.square((target - dist.mean) / dist.scale), -1)
+    mahalanobis = jnp.broadcast_to(mahalanobis, dist.batch_shape).reshape(-1)
     constraint = state["constraint"]
-    factor = jnp.sqrt(jnp.mean(mahalanobis) / (constraint.n - constraint.a))
+    free = constraint.n - constraint.a
+    if method == "conformal":
+        rank = conformal_rank(mahalanobis.shape[0], coverage)
+        squared = jnp.sort(mahalanobis)[rank - 1] / chi2_quantile(coverage, free)
+    else:
+        squared = jnp.mean(mahalanobis) / free
+    factor = jnp.sqrt(squared)
     return dict(state, scale_factor=factor.astype(state["scale_factor"].dtype))
 
 
