@@ -327,13 +327,14 @@ class LinearConstrainedNormal(TorchDistribution):
     for ``loc = 0``, ``Sigma = s^2 I`` and the default zero-sum constraint it equals NumPyro's
     ``ZeroSumNormal(s, event_shape=(n,))``. It does not depend on a choice of coordinates.
     "On the subspace" means within the support tolerance,
-    ``|A z - k| <= rtol * (|A| |z| + |k|)`` per row (``rtol`` default 64 eps; see
-    :class:`LinearConstraint`). A value off the subspace raises ``ValueError`` with
-    validation on (stating the largest residual, its bound, the ``rtol`` in force and how to
-    loosen it) and gets ``-inf`` with it off. A value whose shape does not end in ``(n,)``
-    or whose leading dimensions do not broadcast with the batch shape is a ``ValueError``
-    naming the expected shape, with validation on or off. A value of another float dtype
-    than the parameters is promoted (``torch.promote_types``), and so is the result.
+    ``|A z - k| <= rtol * (|A| |z| + |k|)`` per row (``rtol`` default 1e-6 in float64,
+    7.6e-6 in float32; see :class:`LinearConstraint`). A value off the subspace raises
+    ``ValueError`` with validation on (stating the largest residual, its bound, the ``rtol``
+    in force and how to loosen it) and gets ``-inf`` with it off. A value whose shape does
+    not end in ``(n,)`` or whose leading dimensions do not broadcast with the batch shape is
+    a ``ValueError`` naming the expected shape, with validation on or off. A value of
+    another float dtype than the parameters is promoted (``torch.promote_types``), and so is
+    the result.
 
     **Sampling** is exact, by Matheron's rule in whitened form (above). :meth:`rsample`
     returns this sample with the gradient chosen by ``grad_estimator``:
@@ -382,8 +383,8 @@ class LinearConstrainedNormal(TorchDistribution):
         O(B n a) for a batch of B right-hand sides, and no work on ``A`` alone.
     :param rtol: the relative tolerance of the support check,
         ``|A z - k| <= rtol * (|A| |z| + |k|)`` per row; default the constraint's, itself
-        by default 64 eps of the dtype (see :class:`LinearConstraint`). Set it to the
-        precision of measured data that satisfies its balances only to that precision.
+        by default 1e-6 in float64, 7.6e-6 in float32 (see :class:`LinearConstraint`). Set
+        it to the precision of measured data that satisfies its balances only to that precision.
     :param grad_estimator: ``"marginal_expectation"`` or ``"pathwise"``.
 
     Examples
