@@ -130,7 +130,8 @@ class LinearConstrainedNormal(TorchDistribution):
     O(n^2). With a diagonal scale, :meth:`log_prob` is differentiated by a hand-written
     backward (see :class:`_ProjectedLogDensity`: gradients ``u / s`` and
     ``(u (2 w - u) + h - 1) / s`` with ``u = (I - Q Q^T) w``), which needs no derivative of
-    the QR; its second derivatives are taken by autograd through the factorisation.
+    the QR; its second derivatives differentiate that formula with ``Q`` from the recorded
+    factorisation (also under ``torch.func``).
 
     :param loc: the unconditional mean, shape (..., n).
     :param scale: unconditional standard deviations (diagonal covariance), shape (..., n).
@@ -535,7 +536,7 @@ class LinearConstrainedNormal(TorchDistribution):
     ) -> torch.Tensor:
         """:meth:`log_prob` (of a checked value of the promoted dtype) differentiated by
         autograd through the recorded factorisation: for a full covariance, an ``A`` that
-        requires grad, and second derivatives of the diagonal-scale path."""
+        requires grad, and a value of another dtype than the parameters."""
         log_prob = -0.5 * self._mahalanobis_from_mean(value) + self._log_normalizer.to(value.dtype)
         if off_subspace is None:
             return log_prob

@@ -874,7 +874,8 @@ def _directional_check(quantities, theta0, direction, fixed, condition, dtype_na
     loc0, scale0 = np.asarray(theta0[0], np.float64), np.exp(np.asarray(theta0[1], np.float64))
     kappa_w = float(whitened_condition(np.linalg.qr(scale0[:, None] * fixed["A"].T)[1]))
     correction = np.linalg.norm((mean - loc0) / scale0)
-    mean_tolerance = 4 * eps * kappa_w * scale0 * (1 + correction) * np.abs(direction[1]).max()
+    mean_error = 4 * eps * kappa_w * scale0 * (1 + correction)
+    mean_tolerance = mean_error * np.abs(direction[1]).max()
     tolerance = 256 * eps * condition * size + 1e-7 * size
     # A variance's derivative is as accurate as the variance itself, whose error relative
     # to itself is eps times its componentwise condition number kappa_i (large where the
@@ -887,6 +888,19 @@ def _directional_check(quantities, theta0, direction, fixed, condition, dtype_na
     projector = np.eye(n) - whitened @ np.linalg.pinv(whitened)
     tolerance[:n] += 256 * eps * _componentwise_condition(projector, scale, A) * size[:n]
     tolerance[n : 2 * n] += mean_tolerance
+    # The KL's Mahalanobis term sums (mu_p - mu_q)_i d mu_p,i / s_q,i^2: the mean's error, in
+    # value and in derivative, enters with those weights (the small scales amplify it).
+    q_mean = pyro_constrained.LinearConstrainedNormal(
+        torch.tensor(fixed["q_loc"]),
+        torch.tensor(fixed["q_scale"]),
+        A=torch.tensor(fixed["A"]),
+        k=torch.tensor(np.asarray(theta0[2], np.float64)),
+        validate_args=False,
+    ).mean.numpy()
+    weights = 1 / np.asarray(fixed["q_scale"], np.float64) ** 2
+    tolerance[2 * n + 1] += np.sum(
+        weights * (np.abs(mean - q_mean) * mean_tolerance + mean_error * np.abs(d_mean))
+    )
     error = np.abs(derivative - finite_difference)
     assert np.all(error <= tolerance), (error / np.maximum(tolerance, 1e-300), value)
 
@@ -1008,6 +1022,102 @@ ILL_CONDITIONED_WHITENED = (
     3.7015441104625713,
 )
 
+# A KL whose Mahalanobis term weights the small-scale coordinates' mean error by
+# 1 / s_q^2 (kappa_w = 7.3e4, cond(A) = 17.7): it failed without that term.
+KL_OF_SMALL_SCALES = (
+    (
+        np.zeros(8),
+        np.array(
+            [
+                2.52151717e00,
+                3.16227766e02,
+                3.16227766e-03,
+                3.14468551e-02,
+                1.62392345e02,
+                2.11617140e-01,
+                1.06531097e-02,
+                4.42120607e00,
+            ]
+        ),
+        np.array(
+            [
+                [
+                    1.12144776e-01,
+                    -1.17830623e-01,
+                    5.71223479e-01,
+                    9.35654132e-02,
+                    -4.77789040e-01,
+                    3.22523860e-01,
+                    1.16309978e00,
+                    8.44746641e-01,
+                ],
+                [
+                    -1.39230238e00,
+                    -2.50356845e00,
+                    -1.23311506e00,
+                    8.17612316e-02,
+                    -4.59994857e00,
+                    -4.32867561e-01,
+                    -2.46496792e00,
+                    -1.44875165e00,
+                ],
+                [
+                    -2.92716912e-01,
+                    -1.70114611e-01,
+                    2.21385817e-01,
+                    5.60691332e-01,
+                    -6.91293498e-02,
+                    7.34920286e-01,
+                    -3.57759333e-01,
+                    1.89051436e-01,
+                ],
+                [
+                    3.22058766e-01,
+                    3.35124338e-02,
+                    -2.65034149e-01,
+                    -3.28566170e-01,
+                    -1.63164892e-01,
+                    7.84926511e-02,
+                    -3.59897197e-01,
+                    -7.45645279e-02,
+                ],
+                [
+                    -1.27809497e-01,
+                    4.34135328e-01,
+                    1.72306313e-01,
+                    2.85256739e-01,
+                    -5.24826505e-01,
+                    -1.04040523e-01,
+                    6.29295048e-01,
+                    1.19877325e00,
+                ],
+                [
+                    -6.28870727e-01,
+                    7.56165839e-01,
+                    6.72230027e-01,
+                    3.90244873e-01,
+                    1.32088760e-01,
+                    -1.56796341e-01,
+                    7.28243689e-01,
+                    9.79098420e-01,
+                ],
+                [
+                    7.02133710e-01,
+                    5.12522654e-01,
+                    1.39278406e-01,
+                    -4.70906319e-01,
+                    -1.73586617e-03,
+                    2.55841619e-01,
+                    -5.02100636e-01,
+                    1.53987094e-01,
+                ],
+            ]
+        ),
+        np.zeros(7),
+    ),
+    17.740846241419092,
+)
+
 
 @pytest.mark.x64_only("Pyro only: nothing of JAX runs in it")
 @pytest.mark.parametrize("dtype_name", DTYPES)
@@ -1015,6 +1125,7 @@ ILL_CONDITIONED_WHITENED = (
 @example(drawn=NEARLY_FIXED_COORDINATE, seed=0)
 @example(drawn=LARGE_CORRECTION, seed=0)
 @example(drawn=ILL_CONDITIONED_WHITENED, seed=0)
+@example(drawn=KL_OF_SMALL_SCALES, seed=1)
 def test_gradients_match_float64_finite_differences(drawn, seed, dtype_name):
     # Row norms over 12 decades, scales over 6, conditioning up to 1e3, with loc and the
     # mean within a few scales of each other and of zero: the derivatives' terms are then of
