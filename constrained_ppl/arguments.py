@@ -20,6 +20,7 @@ import numpy as np
 
 __all__ = [
     "DISCRETE_GRAD_ESTIMATORS",
+    "LCN_GRAD_ESTIMATORS",
     "check_count",
     "check_grad_estimator",
     "check_head_options",
@@ -76,6 +77,12 @@ def check_count(k, *, concrete: bool, name: str = "k") -> None:
 #: the score-function (REINFORCE) estimator (unbiased). See
 #: docs/distributions/choosing_gradient_estimator.md.
 DISCRETE_GRAD_ESTIMATORS = ("marginal_expectation", "score_function")
+LCN_GRAD_ESTIMATORS = ("marginal_expectation", "pathwise")
+
+#: The gradient estimators of ``LinearConstrainedNormal.rsample`` in both packages:
+#: ``"marginal_expectation"`` (the default), straight-through through the conditional mean
+#: (biased in the scales, low variance), and ``"pathwise"``, Matheron's rule differentiated
+#: (exact reparameterisation, unbiased). See docs/distributions/linear_constrained_normal.md.
 LCN_GRAD_ESTIMATORS = ("marginal_expectation", "pathwise")
 
 

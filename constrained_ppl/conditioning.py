@@ -13,18 +13,70 @@ within a factor sqrt(a) of the best diagonal scaling (van der Sluis 1969).
 from __future__ import annotations
 
 import inspect
+import math
 import os
 import warnings
 
 import numpy as np
 
 __all__ = [
+    "DEFAULT_RTOL_FLOOR",
+    "DEFAULT_RTOL_ULPS",
     "PrecisionWarning",
+    "check_rtol",
+    "default_rtol",
     "equilibrated_singular_values",
     "check_full_row_rank",
     "warn_if_unresolvable",
     "whitened_condition",
 ]
+
+
+# The default support tolerance of ``A z = k``, ``|A z - k| <= rtol (|A| |z| + |k|)`` per
+# row, is ``max(DEFAULT_RTOL_FLOOR, DEFAULT_RTOL_ULPS * eps)`` of the dtype.
+#
+# The ulps part covers the rounding of the check itself and of our own projection and
+# sampler: a residual of length-n dot products is off by at most ``n u (|A| |z| + |k|)``
+# (u = eps / 2; Higham, Accuracy and Stability, section 3.1) and in practice by about
+# ``sqrt(n) u`` of it, plus one such rounding for a point we computed. 64 eps = 128 u covers
+# the worst case for n up to 128 and the typical case for n in the thousands. In float32 it
+# is 7.6e-6 and decides.
+#
+# The floor accepts what other tools compute on the subspace. A sampler that factorises the
+# singular conditional covariance (``scipy.stats.multivariate_normal(allow_singular=True)``,
+# by eigendecomposition; a Cholesky factor with jitter) computes its zero eigenvalues as
+# about eps |Sigma| and scales by their square roots, which leaves residuals of about
+# ``sqrt(eps)`` relative: 1e-8 to 5e-8 in float64, far above 64 eps = 1.4e-14. 1e-6 is the
+# tolerance of torch's and NumPyro's ``simplex`` constraints (and NumPyro's ``zero_sum``
+# accepts about 10 n eps, 1.2e-6 n, in float32), so in float64 a value on the subspace by
+# these tools' standard is on it by ours. A value off the subspace by more than 1e-6 of its
+# terms (data measured to fewer than 6 digits) still needs ``rtol`` set to its precision.
+DEFAULT_RTOL_ULPS = 64
+DEFAULT_RTOL_FLOOR = 1e-6
+
+
+def default_rtol(eps: float) -> float:
+    """The default support tolerance for a dtype whose machine epsilon is ``eps``:
+    ``max(DEFAULT_RTOL_FLOOR, DEFAULT_RTOL_ULPS * eps)``, 1e-6 in float64 and 7.6e-6 in
+    float32 (see the comment above :data:`DEFAULT_RTOL_ULPS`)."""
+    return max(DEFAULT_RTOL_FLOOR, DEFAULT_RTOL_ULPS * float(eps))
+
+
+def check_rtol(rtol) -> float | None:
+    """``rtol`` as a Python float (None stays None), or a ``ValueError`` unless it is a
+    positive finite number: a Python number or a one-element array of any framework."""
+    if rtol is None:
+        return None
+    shape = tuple(getattr(rtol, "shape", ()))
+    if math.prod(shape) != 1:
+        raise ValueError(f"rtol must be a positive number, got an array of shape {shape}")
+    try:
+        rtol = float(rtol)
+    except (TypeError, ValueError):
+        raise ValueError(f"rtol must be a positive finite number, got {rtol!r}") from None
+    if not rtol > 0 or rtol == float("inf"):
+        raise ValueError(f"rtol must be a positive finite number, got {rtol}")
+    return rtol
 
 
 class PrecisionWarning(UserWarning):

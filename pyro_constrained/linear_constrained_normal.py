@@ -2,11 +2,11 @@
 
 The math: ``docs/distributions/linear_constrained_normal.md``.
 
-
-Holds :class:`LinearConstrainedNormal`, its support constraint (the affine subspace
-``{z : A z = k}``), the isometric bijection from ``R^(n - a)`` onto that subspace (registered
-with ``biject_to`` and ``transform_to`` so that AutoGuides and HMC/NUTS can use the
-distribution as a latent site) and its KL rule (registered with ``register_kl``).
+Holds :class:`LinearConstrainedNormal` and registers its KL rule (``register_kl``). Its
+parts live beside it: the arguments and their constraints in ``_lcn_arguments``, the
+support and its bijection (registered with ``biject_to`` and ``transform_to`` for
+AutoGuides and HMC/NUTS) in :mod:`pyro_constrained.affine_subspace`, and the
+log-density's autograd Function and the KL divergence in ``_lcn_math``.
 """
 
 from __future__ import annotations
@@ -16,20 +16,28 @@ import math
 import pyro
 import torch
 from pyro.distributions import Normal, TorchDistribution
-from torch.distributions import biject_to, constraints, transform_to
+from torch.distributions import constraints
 from torch.distributions.kl import register_kl
-from torch.distributions.transforms import Transform
-from torch.distributions.utils import _standard_normal, lazy_property
+from torch.distributions.utils import lazy_property
 
-from constrained_ppl.arguments import check_value_shape, keyword_only
+from constrained_ppl.arguments import LCN_GRAD_ESTIMATORS, check_value_shape, keyword_only
 from constrained_ppl.conditioning import warn_if_unresolvable
+from pyro_constrained._lcn_arguments import ARG_CONSTRAINTS, parse_arguments
+from pyro_constrained._lcn_math import (
+    _ProjectedLogDensity,
+    _whitened_projection,
+    kl_linear_constrained_normal,
+)
 from pyro_constrained._repr import parameters_repr
+from pyro_constrained.affine_subspace import (
+    MOVED_SUPPORT_HINT,
+    AffineSubspace,
+    AffineSubspaceTransform,
+    may_come_from_a_frozen_bijection,
+    refuse_a_moved_support,
+)
 from pyro_constrained.linear_constraint import (
     LinearConstraint,
-    _as_float_tensor,
-    _broadcast_shapes,
-    _check_finite,
-    _check_rtol,
     _combine_rows,
     _complement_diagonal,
     _complete_complement,
@@ -37,263 +45,10 @@ from pyro_constrained.linear_constraint import (
     _rows_times,
 )
 
-GRAD_ESTIMATORS = ("marginal_expectation", "pathwise")
+__all__ = ["AffineSubspace", "AffineSubspaceTransform", "LinearConstrainedNormal"]
 
-
-def _float_dtype(values) -> torch.dtype:
-    """The dtype of the parameters: torch's promotion of the floating dtypes of the arrays
-    among ``values`` (tensors and NumPy arrays; Python numbers and lists are weakly typed
-    and do not take part), or the default dtype when there are none."""
-    dtype = None
-    for value in values:
-        if value is None or isinstance(value, (bool, int, float, list, tuple)):
-            continue
-        value_dtype = torch.as_tensor(value).dtype
-        if value_dtype.is_floating_point:
-            dtype = value_dtype if dtype is None else torch.promote_types(dtype, value_dtype)
-    return torch.get_default_dtype() if dtype is None else dtype
-
-
-def _as_constraint(A, k: torch.Tensor) -> LinearConstraint:
-    """``A`` itself when it is a :class:`LinearConstraint`, else one built (unchecked) from
-    the matrix ``A`` in the dtype of ``k``'s promotion with it."""
-    if isinstance(A, LinearConstraint):
-        return A
-    A = torch.as_tensor(A)
-    dtype = torch.promote_types(A.dtype, k.dtype) if A.is_floating_point() else k.dtype
-    return LinearConstraint._build(A.to(dtype), None, validate=False)
-
-
-def _check_not_stale(value, constraint: LinearConstraint, k: torch.Tensor) -> None:
-    """Raise if ``value`` came from an :class:`AffineSubspaceTransform` of another subspace
-    and is off this one (HMC/NUTS and AutoGuides freeze the transform of a site at the first
-    trace, so a site whose ``A`` or ``k`` depends on a latent would otherwise score -inf)."""
-    origin = getattr(value, "_lcn_subspace", None)
-    if origin is None or (origin[0] is constraint.A and origin[1] is k):
-        return
-    if not bool(constraint._check(value.detach(), k.detach()).all()):
-        raise ValueError(
-            "LinearConstrainedNormal: the value was mapped onto the subspace A z = k of an "
-            "earlier trace, and A or k have changed since (they depend on another latent "
-            "variable). HMC/NUTS and AutoGuides fix the support of a site at the first trace; "
-            "reparameterise the site with pyro.poutine.reparam(model, config={name: "
-            "pyro_constrained.LinearConstrainedNormalReparam()})."
-        )
-
-
-class AffineSubspace(constraints.Constraint):
-    """The affine subspace ``{z in R^n : A z = k}`` with ``A`` of shape (..., a, n), rank a.
-
-    ``A`` is a :class:`LinearConstraint` (whose factorisation and ``rtol`` are used) or a
-    matrix. ``check`` accepts a value whose residual is within the constraint's tolerance,
-    ``|A z - k| <= rtol * (|A| |z| + |k|)`` per row (see :class:`LinearConstraint`).
-    """
-
-    is_discrete = False
-    event_dim = 1
-
-    def __init__(self, A: LinearConstraint | torch.Tensor, k: torch.Tensor):
-        self.constraint = _as_constraint(A, k)
-        self.A = self.constraint.A
-        self.k = k
-        super().__init__()
-
-    def check(self, value: torch.Tensor) -> torch.Tensor:
-        return self.constraint._check(value, self.k)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(a={self.A.shape[-2]}, n={self.A.shape[-1]})"
-
-
-class AffineSubspaceTransform(Transform):
-    """The isometry ``u -> z0 + B u`` from ``R^(n - a)`` onto ``{z : A z = k}``.
-
-    ``B`` (n x (n - a)) is an orthonormal basis of the null space of ``A`` (the last n - a
-    columns of the complete QR factor of ``A^T``) and ``z0 = A^T (A A^T)^{-1} k`` is the point
-    of the subspace nearest the origin. Because ``B`` has orthonormal columns the map
-    preserves lengths, so its log-determinant with respect to the (n - a)-dimensional
-    Lebesgue (Hausdorff) measure on the subspace, the base measure of
-    :class:`LinearConstrainedNormal`, is 0. The inverse ``z -> B^T (z - z0)`` is the
-    orthogonal projection, so it also maps a point near the subspace to the nearest one.
-    The forward map ends with the Euclidean projection step of
-    :meth:`LinearConstraint.project` (``z <- z - A^T (A A^T)^{-1} (A z - k)``, which is the
-    identity in exact arithmetic), so its values satisfy the support tolerance in float32.
-
-    Cost: ``B`` and the factorisation are those of the :class:`LinearConstraint` (given, or
-    the distribution's): the O(n^2 a) QR for ``B`` runs once per constraint, not once per
-    transform, so an AutoGuide that builds this transform at every step does not refactorise.
-    Each call is O(n (n - a)) per point.
-    """
-
-    domain = constraints.real_vector
-    bijective = True
-
-    def __init__(self, A: LinearConstraint | torch.Tensor, k: torch.Tensor, cache_size: int = 0):
-        super().__init__(cache_size=cache_size)
-        self.constraint = _as_constraint(A, k)
-        self.A = self.constraint.A
-        self.k = k
-        self.basis = self.constraint._null_basis
-        self.offset = self.constraint._offset(k)
-
-    @constraints.dependent_property(is_discrete=False, event_dim=1)
-    def codomain(self) -> constraints.Constraint:
-        return AffineSubspace(self.constraint, self.k)
-
-    def with_cache(self, cache_size: int = 1) -> AffineSubspaceTransform:
-        if self._cache_size == cache_size:
-            return self
-        return AffineSubspaceTransform(self.constraint, self.k, cache_size=cache_size)
-
-    def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, AffineSubspaceTransform)
-            and self.A.shape == other.A.shape
-            and self.k.shape == other.k.shape
-            and bool((self.A == other.A).all())
-            and bool((self.k == other.k).all())
-        )
-
-    def _call(self, u: torch.Tensor) -> torch.Tensor:
-        z = self.constraint._correct(self.offset + _rows_times(self.basis, u), self.k)
-        # Remember the subspace this value was mapped onto, so that a LinearConstrainedNormal
-        # whose subspace has since moved (HMC/NUTS and AutoGuides freeze this transform at
-        # the first trace) can name the fix instead of silently returning -inf.
-        z._lcn_subspace = (self.A, self.k)
-        return z
-
-    def _inverse(self, z: torch.Tensor) -> torch.Tensor:
-        return _combine_rows(z - self.offset, self.basis)
-
-    def log_abs_det_jacobian(self, u: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        shape = torch.broadcast_shapes(u.shape[:-1], z.shape[:-1])
-        return torch.zeros(shape, dtype=z.dtype, device=z.device)
-
-    def forward_shape(self, shape: torch.Size) -> torch.Size:
-        if len(shape) < 1 or shape[-1] != self.basis.shape[-1]:
-            raise ValueError(f"expected an input of size {self.basis.shape[-1]}, got {shape}")
-        return torch.broadcast_shapes(shape[:-1], self.offset.shape[:-1]) + self.basis.shape[-2:-1]
-
-    def inverse_shape(self, shape: torch.Size) -> torch.Size:
-        if len(shape) < 1 or shape[-1] != self.basis.shape[-2]:
-            raise ValueError(f"expected an input of size {self.basis.shape[-2]}, got {shape}")
-        return torch.broadcast_shapes(shape[:-1], self.offset.shape[:-1]) + self.basis.shape[-1:]
-
-
-@biject_to.register(AffineSubspace)
-@transform_to.register(AffineSubspace)
-def _transform_to_affine_subspace(constraint: AffineSubspace) -> AffineSubspaceTransform:
-    return AffineSubspaceTransform(constraint.constraint, constraint.k)
-
-
-def _functorch_active() -> bool:
-    """Whether a ``torch.func`` transform (grad, vmap, jacrev, ...) is running: those need
-    an autograd.Function written for them (``setup_context``), so ``log_prob`` then takes
-    the recorded path, which they differentiate as any torch code."""
-    functorch = getattr(torch._C, "_functorch", None)
-    peek = getattr(functorch, "peek_interpreter_stack", None)
-    return peek is not None and peek() is not None
-
-
-def _whitened_projection(
-    value: torch.Tensor, loc: torch.Tensor, scale: torch.Tensor, basis_t: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(w, (I - Q Q^T) w)`` with ``w = L^{-1} (z - loc)``, ``L = diag(scale)``.
-
-    On the subspace, ``L^{-1} (z - mu_bar) = (I - Q Q^T) L^{-1} (z - loc)``: an orthogonal
-    projection in whitened coordinates, which needs neither ``mu_bar`` (two refinement
-    passes) nor ``k``, and is as accurate as the difference from ``mu_bar``.
-    """
-    whitened = (value - loc) / scale
-    return whitened, whitened - _combine_rows(_rows_times(basis_t, whitened), basis_t)
-
-
-class _ProjectedLogDensity(torch.autograd.Function):
-    r"""``log p(z) = -1/2 ||(I - Q Q^T) w||^2 + log_normalizer``, ``w = (z - loc) / s``, for
-    a diagonal scale, with a hand-written backward.
-
-    Why: differentiating this through the recorded factorisation ``(A diag(s))^T = Q R``
-    (row sort, QR and their backward nodes, a dozen small matrix products) made the
-    regression head's training step 1.6x the plain MLP's, all of it per-op overhead at these
-    sizes. The gradient needs no derivative of the QR. With ``u = (I - Q Q^T) w`` and the
-    leverages ``h_i = ||Q_i||^2`` (row norms of Q, i.e. ``diag Q Q^T``):
-
-    - ``d log p / d loc = u / s`` and ``d log p / d z = -u / s``;
-    - ``d log p / d s = (u (2 w - u) + h - 1) / s`` (elementwise).
-
-    Derivation: ``Q Q^T`` projects onto the range of ``M = diag(s) A^T``, whose derivative
-    gives ``d(1/2 w^T P w) = -u^T dM c + u^T dw`` with ``P = I - Q Q^T`` and
-    ``c = M^+ w``; ``M c = Q Q^T w = w - u`` turns the first term into
-    ``-sum ds_i u_i (w_i - u_i) / s_i``, and ``dw_i = -w_i ds_i / s_i`` the second into
-    ``-sum ds_i u_i w_i / s_i``. ``log_normalizer = sum log|R_ii| - sum log s_i + const``
-    and ``d sum log|R_ii| = 1/2 d log det(M^T M) = tr(M^+ dM) = sum ds_i h_i / s_i``.
-    Without constraint (``Q = 0``) these are the gradients of ``log N(z; loc, s^2)``.
-
-    ``basis_t`` (``Q^T``) and ``log_normalizer`` come from the detached scale; the scale's
-    gradient is the formula above. Values off the subspace (``off_subspace``) score
-    ``-inf`` with zero gradient, as a ``torch.where`` would give. Second derivatives
-    (``create_graph=True``: Laplace approximations, Hessians) are taken by autograd through
-    the recorded path, which the backward then runs, so they are exact as well.
-    """
-
-    @staticmethod
-    def forward(ctx, value, loc, scale, basis_t, log_normalizer, off_subspace, dist):
-        whitened, projected = _whitened_projection(value, loc, scale, basis_t)
-        log_prob = torch.add(log_normalizer, projected.square().sum(-1), alpha=-0.5)
-        if off_subspace is not None:
-            log_prob = log_prob.masked_fill(off_subspace, -math.inf)
-        ctx.save_for_backward(value, loc, scale)
-        # Computed in forward, which autograd runs without recording: plain tensors.
-        ctx.whitened, ctx.projected, ctx.basis_t = whitened, projected, basis_t
-        ctx.off_subspace, ctx.dist = off_subspace, dist
-        return log_prob
-
-    @staticmethod
-    def backward(ctx, grad):
-        value, loc, scale = ctx.saved_tensors
-        if ctx.off_subspace is not None:
-            grad = grad.masked_fill(ctx.off_subspace, 0.0)
-        needs_value, needs_loc, needs_scale = ctx.needs_input_grad[:3]
-        if torch.is_grad_enabled():
-            # create_graph=True: return gradients that are themselves differentiable, by
-            # autograd through the recorded factorisation of the same density.
-            inputs = [
-                tensor
-                for tensor, needed in zip(
-                    (value, loc, scale), ctx.needs_input_grad[:3], strict=True
-                )
-                if needed
-            ]
-            dist = ctx.dist
-            recorded = LinearConstrainedNormal(
-                loc, scale, constraint=dist._constraint, k=dist.k, validate_args=False
-            )
-            grads = iter(
-                torch.autograd.grad(
-                    recorded._log_prob_recorded(value, None),
-                    inputs,
-                    grad,
-                    create_graph=True,
-                    allow_unused=True,
-                )
-            )
-            return (
-                tuple(next(grads) if needed else None for needed in ctx.needs_input_grad[:3])
-                + (None,) * 4
-            )
-        whitened, projected = ctx.whitened, ctx.projected
-        grad_value = grad_loc = grad_scale = None
-        d_loc = grad.unsqueeze(-1) * projected / scale
-        if needs_value:
-            grad_value = (-d_loc).sum_to_size(value.shape)
-        if needs_loc:
-            grad_loc = d_loc.sum_to_size(loc.shape)
-        if needs_scale:
-            leverage = ctx.basis_t.square().sum(-2)
-            grad_scale = torch.addcmul(
-                d_loc * (2 * whitened - projected), grad.unsqueeze(-1), (leverage - 1) / scale
-            ).sum_to_size(scale.shape)
-        return grad_value, grad_loc, grad_scale, None, None, None, None
+#: The options of ``grad_estimator`` (the name this module had for them).
+GRAD_ESTIMATORS = LCN_GRAD_ESTIMATORS
 
 
 class LinearConstrainedNormal(TorchDistribution):
@@ -327,13 +82,14 @@ class LinearConstrainedNormal(TorchDistribution):
     for ``loc = 0``, ``Sigma = s^2 I`` and the default zero-sum constraint it equals NumPyro's
     ``ZeroSumNormal(s, event_shape=(n,))``. It does not depend on a choice of coordinates.
     "On the subspace" means within the support tolerance,
-    ``|A z - k| <= rtol * (|A| |z| + |k|)`` per row (``rtol`` default 64 eps; see
-    :class:`LinearConstraint`). A value off the subspace raises ``ValueError`` with
-    validation on (stating the largest residual, its bound, the ``rtol`` in force and how to
-    loosen it) and gets ``-inf`` with it off. A value whose shape does not end in ``(n,)``
-    or whose leading dimensions do not broadcast with the batch shape is a ``ValueError``
-    naming the expected shape, with validation on or off. A value of another float dtype
-    than the parameters is promoted (``torch.promote_types``), and so is the result.
+    ``|A z - k| <= rtol * (|A| |z| + |k|)`` per row (``rtol`` default 1e-6 in float64,
+    7.6e-6 in float32; see :class:`LinearConstraint`). A value off the subspace raises
+    ``ValueError`` with validation on (stating the largest residual, its bound, the ``rtol``
+    in force and how to loosen it) and gets ``-inf`` with it off. A value whose shape does
+    not end in ``(n,)`` or whose leading dimensions do not broadcast with the batch shape is
+    a ``ValueError`` naming the expected shape, with validation on or off. A value of
+    another float dtype than the parameters is promoted (``torch.promote_types``), and so is
+    the result.
 
     **Sampling** is exact, by Matheron's rule in whitened form (above). :meth:`rsample`
     returns this sample with the gradient chosen by ``grad_estimator``:
@@ -347,9 +103,20 @@ class LinearConstrainedNormal(TorchDistribution):
     non-positive scale, a covariance that is not positive definite, an ``A`` that is
     rank-deficient or has a >= n rows, and shapes that do not fit raise ``ValueError``
     naming the argument. Parameters of different float dtypes are promoted together.
-    ``arg_constraints`` describe the constructor's arguments (each argument given is checked
-    against its entry); the property :attr:`covariance_matrix` is the conditional
-    covariance (rank n - a), not the argument.
+    Shapes are checked whatever ``validate_args`` says; the values of the arguments are
+    checked by torch's own validation against ``arg_constraints``, which name the
+    attributes that store them: ``loc``, ``scale`` or ``scale_tril`` (a
+    ``covariance_matrix`` argument is stored as its Cholesky factor, after a
+    positive-definiteness check), ``A`` and ``k``. The attribute :attr:`covariance_matrix`
+    is the conditional covariance (rank n - a), not an argument, and has no entry.
+
+    **A support that moves.** HMC/NUTS and AutoGuides build the bijection onto a latent
+    site's support once, at the first trace. Where ``A`` or ``k`` depend on another latent
+    variable, later values then lie on the first subspace: with validation on that is a
+    ``ValueError`` naming :class:`~pyro_constrained.LinearConstrainedNormalReparam`, the
+    exact remedy. With validation off (as Pyro's NUTS runs its warmup) the same error is
+    raised where the value and ``A`` or ``k`` are all differentiated, the mark of inference
+    on a moving support; any other value off the support scores ``-inf``.
 
     **Tracing.** No operation writes into a tensor in place, and the draw is detached (not
     only computed under ``no_grad``, which a trace does not record), so what
@@ -363,7 +130,8 @@ class LinearConstrainedNormal(TorchDistribution):
     O(n^2). With a diagonal scale, :meth:`log_prob` is differentiated by a hand-written
     backward (see :class:`_ProjectedLogDensity`: gradients ``u / s`` and
     ``(u (2 w - u) + h - 1) / s`` with ``u = (I - Q Q^T) w``), which needs no derivative of
-    the QR; its second derivatives are taken by autograd through the factorisation.
+    the QR; its second derivatives differentiate that formula with ``Q`` from the recorded
+    factorisation (also under ``torch.func``).
 
     :param loc: the unconditional mean, shape (..., n).
     :param scale: unconditional standard deviations (diagonal covariance), shape (..., n).
@@ -382,8 +150,8 @@ class LinearConstrainedNormal(TorchDistribution):
         O(B n a) for a batch of B right-hand sides, and no work on ``A`` alone.
     :param rtol: the relative tolerance of the support check,
         ``|A z - k| <= rtol * (|A| |z| + |k|)`` per row; default the constraint's, itself
-        by default 64 eps of the dtype (see :class:`LinearConstraint`). Set it to the
-        precision of measured data that satisfies its balances only to that precision.
+        by default 1e-6 in float64, 7.6e-6 in float32 (see :class:`LinearConstraint`). Set
+        it to the precision of measured data that satisfies its balances only to that precision.
     :param grad_estimator: ``"marginal_expectation"`` or ``"pathwise"``.
 
     Examples
@@ -407,14 +175,7 @@ class LinearConstrainedNormal(TorchDistribution):
     1
     """
 
-    arg_constraints = {
-        "loc": constraints.real_vector,
-        "scale": constraints.independent(constraints.positive, 1),
-        "covariance_matrix": constraints.positive_definite,
-        "scale_tril": constraints.lower_cholesky,
-        "A": constraints.independent(constraints.real, 2),
-        "k": constraints.real_vector,
-    }
+    arg_constraints = ARG_CONSTRAINTS
     has_rsample = True
 
     @keyword_only("A", "k", usage="LinearConstrainedNormal(loc, scale, A=A, k=k)")
@@ -432,168 +193,32 @@ class LinearConstrainedNormal(TorchDistribution):
         grad_estimator: str = "marginal_expectation",
         validate_args: bool | None = None,
     ):
-        validate = (
-            torch.distributions.Distribution._validate_args
-            if validate_args is None
-            else validate_args
+        # torch's own rule for the default: the class-wide setting unless given.
+        validate = self._validate_args if validate_args is None else validate_args
+        parsed = parse_arguments(
+            loc,
+            scale,
+            covariance_matrix,
+            scale_tril,
+            A,
+            k,
+            constraint,
+            rtol,
+            grad_estimator,
+            validate,
         )
-        if grad_estimator not in GRAD_ESTIMATORS:
-            raise ValueError(
-                f"grad_estimator must be one of {GRAD_ESTIMATORS}, got {grad_estimator!r}"
-            )
-        if sum(p is not None for p in (scale, covariance_matrix, scale_tril)) != 1:
-            raise ValueError("exactly one of scale, covariance_matrix or scale_tril must be given")
-        if constraint is not None:
-            if A is not None:
-                raise ValueError(
-                    "give the constraint either as A or as constraint (a LinearConstraint), "
-                    "not both"
-                )
-            if not isinstance(constraint, LinearConstraint):
-                raise ValueError(
-                    f"constraint must be a LinearConstraint, got {type(constraint).__name__}"
-                )
-        rtol = _check_rtol(rtol)
-        matrix_a = constraint.A if constraint is not None else A
-        dtype = _float_dtype((loc, scale, covariance_matrix, scale_tril, matrix_a, k))
-        device = loc.device if isinstance(loc, torch.Tensor) else None
-        loc = _as_float_tensor(loc, "loc", dtype, device)
-        device = loc.device
-        if loc.dim() < 1:
-            raise ValueError(f"loc must have at least one dimension (the event), got {loc.shape}")
-        if validate:
-            _check_finite("loc", loc)
-        n = loc.shape[-1]
-
-        if scale is not None:
-            scale = _as_float_tensor(scale, "scale", dtype, device)
-            if scale.dim() == 0:
-                scale = scale.expand(n)
-            if scale.shape[-1] not in (1, n):
-                raise ValueError(f"scale must have last dimension {n} (or 1), got {scale.shape}")
-            if validate:
-                _check_finite("scale", scale)
-            scale = scale.expand(scale.shape[:-1] + (n,))
-            cov_batch_shape = scale.shape[:-1]
+        self.loc = parsed.loc
+        self._diagonal = parsed.scale is not None
+        if self._diagonal:
+            self.scale = parsed.scale
         else:
-            name = "covariance_matrix" if covariance_matrix is not None else "scale_tril"
-            matrix = covariance_matrix if covariance_matrix is not None else scale_tril
-            matrix = _as_float_tensor(matrix, name, dtype, device)
-            if matrix.dim() < 2 or matrix.shape[-2:] != (n, n):
-                raise ValueError(f"{name} must have shape (..., {n}, {n}), got {matrix.shape}")
-            if validate:
-                _check_finite(name, matrix)
-            if covariance_matrix is not None:
-                if validate and not constraints.positive_definite.check(matrix).all():
-                    raise ValueError("covariance_matrix must be symmetric positive definite")
-                scale_tril = torch.linalg.cholesky_ex(matrix).L
-            else:
-                scale_tril = matrix
-            cov_batch_shape = scale_tril.shape[:-2]
-
-        if constraint is not None:
-            A = constraint.A
-            if A.shape[-1] != n:
-                raise ValueError(
-                    f"the constraint has n = {A.shape[-1]} columns, but loc has size {n}"
-                )
-        elif A is None:
-            A = torch.ones(1, n, dtype=dtype, device=device)
-        else:
-            A = _as_float_tensor(A, "A", dtype, device)
-            if A.dim() < 2:
-                raise ValueError(f"A must have shape (..., a, n), got {A.shape}")
-            if A.shape[-1] != n:
-                raise ValueError(
-                    f"A must have n = {n} columns (the size of loc), got shape {A.shape}"
-                )
-            if validate:
-                _check_finite("A", A)
-        num_rows = A.shape[-2]
-        if not 1 <= num_rows < n:
-            raise ValueError(
-                f"A must have between 1 and n - 1 = {n - 1} rows (rank a < n), got {num_rows}"
-            )
-        if k is None:
-            k = torch.zeros(num_rows, dtype=dtype, device=device)
-        else:
-            k = _as_float_tensor(k, "k", dtype, device)
-            # A real right-hand side broadcasts as torch does: a scalar or a last dimension
-            # of 1 gives every row the same value.
-            if k.dim() == 0:
-                k = k.unsqueeze(-1)
-            if k.shape[-1] not in (1, num_rows):
-                raise ValueError(
-                    f"k must have shape (..., a) with a = {num_rows} (the rows of A), or a "
-                    f"last dimension of 1, got {tuple(k.shape)}"
-                )
-            if validate:
-                _check_finite("k", k)
-            k = k.expand(k.shape[:-1] + (num_rows,))
-
-        batch_shapes = {
-            "loc": loc.shape[:-1],
-            "scale" if scale is not None else "scale_tril": cov_batch_shape,
-            "A": A.shape[:-2],
-            "k": k.shape[:-1],
-        }
-        try:
-            batch_shape = _broadcast_shapes(*batch_shapes.values())
-        except RuntimeError:
-            shapes = ", ".join(f"{name} {tuple(shape)}" for name, shape in batch_shapes.items())
-            raise ValueError(
-                f"the batch shapes of the parameters do not broadcast: {shapes}"
-            ) from None
-
-        self.loc = loc.expand(batch_shape + (n,))
-        if scale is not None:
-            self.scale = scale
-        else:
-            self.scale_tril = scale_tril
-        self._diagonal = scale is not None
-        self.k = k
+            self.scale_tril = parsed.scale_tril
+        self.k = parsed.k
+        self._constraint = parsed.constraint
+        self.A = parsed.constraint.A
         self.grad_estimator = grad_estimator
-        # torch's own check reads every arg_constraints entry with getattr, and
-        # ``covariance_matrix`` here is the conditional covariance (n x n, singular): the
-        # arguments given are checked against their constraints below instead.
-        super().__init__(batch_shape, torch.Size((n,)), validate_args=False)
-        if validate_args is None:
-            del self._validate_args  # follow the class-wide default, as torch does
-        else:
-            self._validate_args = validate_args
-        if validate:
-            factor_name, factor = (
-                ("scale", scale) if scale is not None else ("scale_tril", scale_tril)
-            )
-            arguments = {"loc": self.loc, factor_name: factor, "k": k}
-            if constraint is None:
-                arguments["A"] = A
-            for name, value in arguments.items():
-                if not bool(self.arg_constraints[name].check(value).all()):
-                    raise ValueError(
-                        f"{type(self).__name__}: parameter {name} (of shape "
-                        f"{tuple(value.shape)}) does not satisfy the constraint "
-                        f"{self.arg_constraints[name]!r}"
-                    )
-
-        if constraint is None:
-            # Validated (rank included) and factorised here, once per distribution; a
-            # LinearConstraint given instead was validated and factorised once for all.
-            constraint = LinearConstraint._build(A, rtol, validate)
-        else:
-            if constraint.A.dtype != dtype or constraint.A.device != device:
-                if torch.finfo(dtype).eps < torch.finfo(constraint.A.dtype).eps:
-                    # Factors rounded to a coarser dtype would cap the accuracy of the
-                    # result at that dtype's: refactorise in the finer one.
-                    constraint = LinearConstraint._build(
-                        constraint.A.to(dtype=dtype, device=device), constraint._rtol, False
-                    )
-                else:
-                    constraint = constraint._replace(dtype=dtype, device=device)
-            if rtol is not None:
-                constraint = constraint._replace(rtol=rtol)
-        self._constraint = constraint
-        self.A = constraint.A
+        # torch's validation checks the values of the arguments given (arg_constraints).
+        super().__init__(parsed.batch_shape, torch.Size((parsed.n,)), validate_args=validate_args)
 
     @property
     def constraint(self) -> LinearConstraint:
@@ -771,6 +396,9 @@ class LinearConstrainedNormal(TorchDistribution):
         return torch.broadcast_shapes(*batch_shapes), torch.Size(loc[-1:])
 
     def expand(self, batch_shape, _instance=None) -> LinearConstrainedNormal:
+        """A view of this distribution with batch shape ``batch_shape`` (an instance of the same
+        class whose parameters are broadcast, not an ``ExpandedDistribution``). Raises
+        ``ValueError`` where the current batch shape does not broadcast to ``batch_shape``."""
         new = self._get_checked_instance(LinearConstrainedNormal, _instance)
         batch_shape = torch.Size(batch_shape)
         new.__dict__.update(self.__dict__)
@@ -875,11 +503,11 @@ class LinearConstrainedNormal(TorchDistribution):
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
         """Log density with respect to the Hausdorff measure on ``{z : A z = k}``.
 
-        Raises ValueError (validation on or off) for a value that an
-        :class:`AffineSubspaceTransform` built for another ``(A, k)`` mapped off this
-        subspace: the symptom of a transform frozen while ``A`` or ``k`` depend on a latent.
+        A value off the subspace raises ``ValueError`` with validation on (naming, besides
+        the residual, the usual cause when the value came from inference: HMC/NUTS or an
+        AutoGuide froze the bijection of a site whose ``A`` or ``k`` depend on a latent) and
+        scores ``-inf`` with validation off.
         """
-        _check_not_stale(value, self._constraint, self.k)
         value = torch.as_tensor(value, device=self.loc.device)
         check_value_shape(value.shape, self.batch_shape, self.event_shape, type(self).__name__)
         dtype = self.loc.dtype
@@ -890,13 +518,16 @@ class LinearConstrainedNormal(TorchDistribution):
             raise ValueError(
                 f"{type(self).__name__}.log_prob: a value is outside the support: "
                 + self._constraint._out_of_support_message(value, self.k)
+                + MOVED_SUPPORT_HINT
             )
         # Validation raised unless every value is on the subspace: no mask needed then.
         off_subspace = None if self._validate_args else ~self._constraint._check(value, self.k)
-        if self._projects(value) and not self.A.requires_grad and not _functorch_active():
+        if off_subspace is not None and may_come_from_a_frozen_bijection(self, value):
+            refuse_a_moved_support(off_subspace, type(self).__name__)
+        if self._projects(value) and not self.A.requires_grad:
             basis_t, log_normalizer = self._detached_factors()
             return _ProjectedLogDensity.apply(
-                value, self.loc, self.scale, basis_t, log_normalizer, off_subspace, self
+                value, self.loc, self.scale, self.A, basis_t, log_normalizer, off_subspace
             )
         return self._log_prob_recorded(value, off_subspace)
 
@@ -905,7 +536,7 @@ class LinearConstrainedNormal(TorchDistribution):
     ) -> torch.Tensor:
         """:meth:`log_prob` (of a checked value of the promoted dtype) differentiated by
         autograd through the recorded factorisation: for a full covariance, an ``A`` that
-        requires grad, and second derivatives of the diagonal-scale path."""
+        requires grad, and a value of another dtype than the parameters."""
         log_prob = -0.5 * self._mahalanobis_from_mean(value) + self._log_normalizer.to(value.dtype)
         if off_subspace is None:
             return log_prob
@@ -913,7 +544,7 @@ class LinearConstrainedNormal(TorchDistribution):
 
     def _matheron_sample(self, sample_shape: torch.Size) -> torch.Tensor:
         shape = self._extended_shape(sample_shape)
-        noise = _standard_normal(shape, dtype=self.loc.dtype, device=self.loc.device)
+        noise = torch.randn(shape, dtype=self.loc.dtype, device=self.loc.device)
         return self._matheron_from_noise(noise)
 
     def _matheron_from_noise(self, noise: torch.Tensor) -> torch.Tensor:
@@ -923,9 +554,8 @@ class LinearConstrainedNormal(TorchDistribution):
         The projection is orthogonal, hence accurate however ill-conditioned ``A L`` is; the
         refinement step removes what rounding left of ``A z - k`` (see the class docstring).
         Every step is out of place: ``torch.jit.trace`` does not record ``no_grad``, so a
-        write into an existing buffer (``out=``, ``sub_``) made safe by it is replayed with
-        inputs that require grad, which autograd refuses (Pyro's JIT ELBOs failed so). The
-        buffers it saved were a small part of the cost, which is reading the batched Q.
+        write into an existing buffer (``out=``, ``sub_``) made safe by it would be replayed
+        with inputs that require grad, which autograd refuses (Pyro's JIT ELBOs replay so).
         """
         projected = noise - _combine_rows(_rows_times(self._basis_t, noise), self._basis_t)
         if self._diagonal:
@@ -960,54 +590,4 @@ class LinearConstrainedNormal(TorchDistribution):
         return z.detach()
 
 
-def _same_constraint(p: LinearConstrainedNormal, q: LinearConstrainedNormal) -> None:
-    if p.event_shape != q.event_shape:
-        raise ValueError(f"KL needs the same n, got {p.event_shape} and {q.event_shape}")
-    try:
-        same = bool((p.A == q.A).all()) and bool((p.k == q.k).all())
-    except RuntimeError:
-        same = False
-    if not same:
-        raise ValueError(
-            "KL between LinearConstrainedNormals needs the same A and k (different affine "
-            "subspaces make the KL infinite or undefined)"
-        )
-
-
-@register_kl(LinearConstrainedNormal, LinearConstrainedNormal)
-def _kl_linear_constrained_normal(
-    p: LinearConstrainedNormal, q: LinearConstrainedNormal
-) -> torch.Tensor:
-    """``KL(p || q) = -H_p - E_p[log q(z)]`` for two with the same A and k.
-
-    ``E_p[(z - mu_bar_q)^T Sigma_q^{-1} (z - mu_bar_q)] = tr(Sigma_q^{-1} Sigma_bar_p)
-    + (mu_bar_p - mu_bar_q)^T Sigma_q^{-1} (mu_bar_p - mu_bar_q)``, where, with
-    ``Sigma_bar_p = (L_p N_p)(L_p N_p)^T`` (see ``variance``),
-    ``tr(Sigma_q^{-1} Sigma_bar_p) = ||L_q^{-1} L_p N_p||_F^2``, a sum of squares:
-    ``sum_i Sigma_bar_p,ii / s_q,i^2`` when q's covariance is diagonal (O(n a^2) when p's
-    is too), O(n^3) otherwise.
-    """
-    _same_constraint(p, q)
-    mean_diff = p.mean - q.mean
-    if q._diagonal:
-        q_variance = q.scale.square()
-        trace = (p._variance() / q_variance).sum(-1)
-        maha = (mean_diff.square() / q_variance).sum(-1)
-    else:
-        p_factor, p_correction = p._second_moment_factors
-        q_tril = q.scale_tril
-
-        def whiten(matrix: torch.Tensor) -> torch.Tensor:
-            batch = torch.broadcast_shapes(q_tril.shape[:-2], matrix.shape[:-2])
-            return torch.linalg.solve_triangular(
-                q_tril.expand(batch + q_tril.shape[-2:]),
-                matrix.expand(batch + matrix.shape[-2:]),
-                upper=False,
-            )
-
-        trace = whiten(p_factor).square().sum((-2, -1)) + whiten(p_correction.mT).square().sum(
-            (-2, -1)
-        )
-        maha = whiten(mean_diff.unsqueeze(-1)).squeeze(-1).square().sum(-1)
-    cross_entropy = 0.5 * (trace + maha) - q._log_normalizer
-    return cross_entropy - p.entropy()
+register_kl(LinearConstrainedNormal, LinearConstrainedNormal)(kl_linear_constrained_normal)

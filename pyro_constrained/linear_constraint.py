@@ -14,24 +14,17 @@ import math
 
 import torch
 
-from constrained_ppl.conditioning import check_full_row_rank
+from constrained_ppl.conditioning import DEFAULT_RTOL_ULPS, check_full_row_rank
+from constrained_ppl.conditioning import check_rtol as _check_rtol
+from constrained_ppl.conditioning import default_rtol as _default_rtol
 
 __all__ = ["DEFAULT_RTOL_ULPS", "LinearConstraint"]
 
-# The default support tolerance, in units of the machine epsilon of the dtype. Evaluating a
-# residual ``A z - k`` of length-n dot products in floating point is off by at most
-# ``n u (|A| |z| + |k|)`` (u = eps / 2; Higham, Accuracy and Stability, section 3.1) and in
-# practice by about ``sqrt(n) u`` of it; a point that our own projection or sampler made
-# carries one more such rounding. 64 eps = 128 u covers the worst case for n up to 128 and
-# the typical case for n in the thousands, while any value that is off the subspace by more
-# than rounding (data measured to 1e-7 relative in float64, where 64 eps = 1.4e-14) is
-# rejected. In float32 it is 7.6e-6.
-DEFAULT_RTOL_ULPS = 64
 
-
-def default_rtol(dtype: torch.dtype) -> float:
-    """``DEFAULT_RTOL_ULPS * eps`` of ``dtype`` (see :data:`DEFAULT_RTOL_ULPS`)."""
-    return DEFAULT_RTOL_ULPS * torch.finfo(dtype).eps
+def default_rtol(dtype) -> float:
+    """The default support tolerance for values of ``dtype``: 1e-6 in float64, 64 eps =
+    7.6e-6 in float32 (see :func:`constrained_ppl.conditioning.default_rtol`)."""
+    return _default_rtol(torch.finfo(dtype).eps)
 
 
 def _rows_times(matrix: torch.Tensor, vector: torch.Tensor) -> torch.Tensor:
@@ -201,19 +194,6 @@ def _as_float_tensor(value, name: str, dtype: torch.dtype, device) -> torch.Tens
     return tensor.to(dtype)
 
 
-def _check_rtol(rtol) -> float | None:
-    if rtol is None:
-        return None
-    if isinstance(rtol, torch.Tensor):
-        if rtol.numel() != 1:
-            raise ValueError(f"rtol must be a positive number, got a tensor of shape {rtol.shape}")
-        rtol = rtol.item()
-    rtol = float(rtol)
-    if not rtol > 0 or rtol == float("inf"):
-        raise ValueError(f"rtol must be a positive finite number, got {rtol}")
-    return rtol
-
-
 def _factorise(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(Q1^T, R1^{-T}, R1)`` of the reduced QR ``A^T = Q1 R1`` (rows sorted by norm,
     see :func:`_row_sorted_qr`): O(n a^2), the one factorisation of ``A``."""
@@ -239,10 +219,14 @@ class LinearConstraint:
     **Support tolerance.** A point ``z`` satisfies the constraint when, for every row j,
     ``|(A z - k)_j| <= rtol * (|A| |z| + |k|)_j`` (``|A| |z|`` is the product of the
     elementwise absolute values: the scale of the terms whose rounding makes up the
-    residual). ``rtol`` defaults to ``DEFAULT_RTOL_ULPS * eps`` = 64 eps of the dtype
-    (1.4e-14 in float64, 7.6e-6 in float32), enough for the rounding of the residual
-    itself; data measured to a known relative precision (a mass balance closing to 1e-7)
-    needs ``rtol`` at least that precision.
+    residual). ``rtol`` defaults to ``max(1e-6, 64 eps)`` of the dtype: 1e-6 in float64,
+    the tolerance of the frameworks' ``simplex`` constraints, so that values other tools
+    compute on the subspace are accepted (a sample of
+    ``scipy.stats.multivariate_normal(mean, covariance_matrix, allow_singular=True)``
+    carries residuals of about ``sqrt(eps)`` = 1.5e-8); 64 eps = 7.6e-6 in float32, the
+    rounding of the residual itself (see ``constrained_ppl.conditioning``). Data measured to
+    a known relative precision coarser than that (a mass balance closing to 1e-5) needs
+    ``rtol`` at least that precision.
 
     :param A: the constraint matrix, shape (..., a, n), real, finite, of full row rank.
     :param rtol: the relative tolerance of the support check (a positive number), or None

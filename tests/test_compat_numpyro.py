@@ -2,7 +2,6 @@
 test fails with a message saying what in ``_compat`` to update when the framework behaviour
 it relies on changes; and the rule that no private framework name is used outside it."""
 
-import ast
 import importlib
 import inspect
 import pathlib
@@ -20,6 +19,7 @@ from numpyro_constrained import (
     LinearConstrainedNormal,
     _compat,
 )
+from tests._private_names import private_framework_names
 
 PACKAGE = pathlib.Path(_compat.__file__).parent
 UPDATE = (
@@ -159,36 +159,7 @@ PENDING = set()
 
 
 def _private_framework_names(path):
-    """``(file, dotted name)`` of each private name of a framework that ``path``'s code
-    imports or reaches through an imported framework module (strings and comments aside)."""
-    tree = ast.parse(path.read_text())
-    modules = {}
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                if alias.name.split(".")[0] in FRAMEWORKS:
-                    modules[alias.asname or alias.name.split(".")[0]] = (
-                        alias.name if alias.asname else alias.name.split(".")[0]
-                    )
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            if node.module.split(".")[0] in FRAMEWORKS:
-                for alias in node.names:
-                    dotted = f"{node.module}.{alias.name}"
-                    modules[alias.asname or alias.name] = dotted
-                    if any(part.startswith("_") for part in dotted.split(".")):
-                        found.add((path.name, dotted))
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute):
-            chain, base = [node.attr], node.value
-            while isinstance(base, ast.Attribute):
-                chain.insert(0, base.attr)
-                base = base.value
-            if isinstance(base, ast.Name) and base.id in modules:
-                dotted = ".".join([modules[base.id], *chain])
-                if any(p.startswith("_") and not p.startswith("__") for p in chain):
-                    found.add((path.name, dotted))
-    return found
+    return private_framework_names(path, FRAMEWORKS)
 
 
 def _moving_support_model():

@@ -37,7 +37,8 @@ def test_log_prob_and_entropy_match_scipy_singular_normal(case):
     dist, params, cov, A, k = build(case)
     reference = oracle.singular_normal(params["loc"], cov, A, k)
     # SciPy's singular-normal draws satisfy A z = k only to ~1e-8 relative (its eigen-
-    # decomposition), outside the support tolerance (64 eps): project them first.
+    # decomposition): in the support, but scored at the projections so that both densities
+    # are compared at the same point to 1e-8.
     values = oracle.project(reference.rvs(size=7, random_state=1), A, k)
     np.testing.assert_allclose(
         dist.log_prob(torch.tensor(values)).numpy(), reference.logpdf(values), rtol=1e-8
@@ -390,11 +391,15 @@ EVENT_DIMS = {"loc": 1, "scale": 1, "covariance_matrix": 2, "scale_tril": 2, "A"
 def test_params_constraints_in_the_pattern_of_torch(case):
     # torch's test_params_constraints: every argument given has a constraint whose event dim
     # is that of the argument, its batch shape broadcasts with the distribution's, and it
-    # satisfies the constraint.
+    # satisfies the constraint. A covariance_matrix argument is stored, and constrained, as
+    # its Cholesky factor scale_tril: the attribute covariance_matrix is the conditional
+    # covariance, which no argument constraint describes.
     params, *_ = oracle.random_parameters(case)
     params = {name: torch.tensor(np.broadcast_to(v, (3,) + v.shape)) for name, v in params.items()}
     dist = LinearConstrainedNormal(**params)
-    assert set(dist.arg_constraints) == set(EVENT_DIMS)
+    assert set(dist.arg_constraints) == set(EVENT_DIMS) - {"covariance_matrix"}
+    if "covariance_matrix" in params:
+        params["scale_tril"] = torch.linalg.cholesky(params.pop("covariance_matrix"))
     for name, value in params.items():
         constraint = dist.arg_constraints[name]
         assert constraint.event_dim == EVENT_DIMS[name], name
@@ -402,7 +407,7 @@ def test_params_constraints_in_the_pattern_of_torch(case):
         torch.broadcast_shapes(dist.batch_shape, value.shape[: value.dim() - constraint.event_dim])
         assert constraint.check(value).shape == (3,), name
         assert constraint.check(value).all(), name
-    assert dist.arg_constraints["covariance_matrix"] is constraints.positive_definite
+    assert "covariance_matrix" not in dist.arg_constraints
     # torch's test_support_constraints: samples lie in the support.
     assert dist.support.check(dist.sample((4,))).all()
 
@@ -671,8 +676,8 @@ def test_diagonal_log_prob_gradient_without_constraint_is_the_normal_one():
 
 
 def test_diagonal_log_prob_under_torch_func_transforms():
-    # torch.func (grad, vmap) cannot run the hand-written autograd.Function; log_prob then
-    # takes the recorded path, with the same values and gradients.
+    # The hand-written autograd.Function runs under torch.func (setup_context, a generated
+    # vmap rule, a jvp), with the values and gradients of the recorded path.
     loc, scale, A, k, value = _diag_inputs((), (3,))
     value = value.detach()
 
@@ -688,3 +693,35 @@ def test_diagonal_log_prob_under_torch_func_transforms():
     mapped = torch.func.vmap(lambda loc: total(loc, scale.detach()))(loc.detach()[:, None])
     singles = [total(row[None], scale) for row in loc.detach()]
     torch.testing.assert_close(mapped, torch.stack(singles).detach(), rtol=1e-12, atol=1e-12)
+
+
+def test_diagonal_log_prob_jacobians_and_hessians_under_torch_func_are_the_recorded_ones():
+    # jacrev and jacfwd (the Function's jvp), and hessian (forward over reverse: the backward
+    # differentiated, with Q from the recorded factorisation of the scale) against autograd
+    # through the recorded QR.
+    loc, scale, A, k, value = _diag_inputs((), (3,))
+    value = value.detach()
+
+    def fast(loc, scale):
+        dist = LinearConstrainedNormal(loc, scale, A=A, k=k, validate_args=False)
+        return dist.log_prob(value)
+
+    def recorded(loc, scale):
+        dist = LinearConstrainedNormal(loc, scale, A=A, k=k, validate_args=False)
+        return dist._log_prob_recorded(value, None)
+
+    args = (loc.detach(), scale.detach())
+    assert "ProjectedLogDensity" in type(fast(loc, scale).grad_fn).__name__
+    for transform in (torch.func.jacrev, torch.func.jacfwd):
+        for got, want in zip(
+            transform(fast, argnums=(0, 1))(*args),
+            torch.autograd.functional.jacobian(recorded, args),
+            strict=True,
+        ):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    total = lambda loc, scale: fast(loc, scale).sum()  # noqa: E731
+    want = torch.autograd.functional.hessian(lambda l, s: recorded(l, s).sum(), args)
+    got = torch.func.hessian(total, argnums=(0, 1))(*args)
+    for i in range(2):
+        for j in range(2):
+            torch.testing.assert_close(got[i][j], want[i][j], rtol=1e-9, atol=1e-11)

@@ -408,8 +408,9 @@ def test_plant_data_rounded_to_seven_digits_is_in_the_support_with_rtol(dtype):
         assert torch.isfinite(head.loss(features, k, y, loss=name))
     assert torch.isfinite(head(features, k).log_prob(y)).all()
     if dtype == torch.float64:
-        # The default tolerance (64 eps) rejects the same data in float64.
-        strict = LinearConstrainedNormalHead(6, LinearConstraint(as_t(data["A"]))).to(dtype)
+        # A tolerance below the data's precision rejects the same data in float64.
+        strict = LinearConstrainedNormalHead(6, LinearConstraint(as_t(data["A"]), rtol=1e-8))
+        strict = strict.to(dtype)
         with pytest.raises(ValueError, match="rtol"):
             strict(features, k).log_prob(y)
 

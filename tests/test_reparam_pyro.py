@@ -116,10 +116,15 @@ def test_stale_transform_value_raises_naming_the_reparam(validate):
         torch.zeros(3, dtype=F64), scale, A=A_, k=torch.ones(1, dtype=F64)
     )
     transform = torch.distributions.biject_to(old.support)
-    z = transform(torch.tensor([0.3, -0.2], dtype=F64))
+    # As under inference: the unconstrained coordinates and the k that moved (a function of
+    # another latent) are differentiated.
+    z = transform(torch.tensor([0.3, -0.2], dtype=F64, requires_grad=True))
     with pyro.validation_enabled(validate):
         moved = LinearConstrainedNormal(
-            torch.zeros(3, dtype=F64), scale, A=A_, k=torch.full((1,), 2.0, dtype=F64)
+            torch.zeros(3, dtype=F64),
+            scale,
+            A=A_,
+            k=torch.full((1,), 2.0, dtype=F64, requires_grad=True),
         )
         with pytest.raises(ValueError, match="LinearConstrainedNormalReparam"):
             moved.log_prob(z)
@@ -128,6 +133,7 @@ def test_stale_transform_value_raises_naming_the_reparam(validate):
             torch.zeros(3, dtype=F64), scale, A=A_.clone(), k=torch.ones(1, dtype=F64)
         )
         assert torch.allclose(same.log_prob(z), old.log_prob(z))
-        # an untagged value off the subspace keeps the usual behaviour (-inf when not validating)
+        # a value off the subspace that is not differentiated keeps the usual behaviour
+        # (-inf when not validating)
         if not validate:
             assert moved.log_prob(z.detach().clone()) == -float("inf")
