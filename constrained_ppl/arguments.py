@@ -77,7 +77,6 @@ def check_count(k, *, concrete: bool, name: str = "k") -> None:
 #: the score-function (REINFORCE) estimator (unbiased). See
 #: docs/distributions/choosing_gradient_estimator.md.
 DISCRETE_GRAD_ESTIMATORS = ("marginal_expectation", "score_function")
-LCN_GRAD_ESTIMATORS = ("marginal_expectation", "pathwise")
 
 #: The gradient estimators of ``LinearConstrainedNormal.rsample`` in both packages:
 #: ``"marginal_expectation"`` (the default), straight-through through the conditional mean
