@@ -119,7 +119,7 @@ class LinearConstrainedNormal(Distribution):
     for ``loc = 0``, ``Sigma = s^2 I`` and the default zero-sum constraint it equals
     ``numpyro.distributions.ZeroSumNormal(s, event_shape=(n,))``. It does not depend on a
     choice of coordinates. "On the subspace" means within the support tolerance,
-    ``|A z - k| <= rtol * (|A| |z| + |k|)`` per row (``rtol`` default 64 eps; see
+    ``|A z - k| <= rtol * (|A| |z| + |k|)`` per row (``rtol`` default ``max(1e-6, 64 eps)``; see
     :class:`LinearConstraint`). A value off the subspace gets ``-inf``; with validation on it
     also emits NumPyro's own "Out-of-support values" ``UserWarning``, as NumPyro's
     distributions do (when the value and the parameters are concrete; a tracer cannot be
@@ -176,7 +176,7 @@ class LinearConstrainedNormal(Distribution):
         O(B n a) for a batch of B right-hand sides, and no work on ``A`` alone.
     :param rtol: the relative tolerance of the support check,
         ``|A z - k| <= rtol * (|A| |z| + |k|)`` per row; default the constraint's, itself
-        by default 64 eps of the dtype (see :class:`LinearConstraint`). Set it to the
+        by default ``max(1e-6, 64 eps)`` of the dtype (see :class:`LinearConstraint`). Set it to the
         precision of measured data that satisfies its balances only to that precision.
     :param grad_estimator: ``"marginal_expectation"`` or ``"pathwise"``.
 

@@ -48,8 +48,8 @@ def build(case, n=5, a=2, seed=0, dtype=jnp.float64, **kwargs):
 def test_log_prob_and_entropy_match_scipy_singular_normal(case):
     dist, params, cov, A, k = build(case)
     reference = oracle.singular_normal(params["loc"], cov, A, k)
-    # SciPy's singular-normal draws satisfy A z = k only to ~1e-8 relative (its eigen-
-    # decomposition), outside the support tolerance (64 eps): project them first.
+    # Projected, so that log_prob is compared on the subspace itself (SciPy's draws satisfy
+    # A z = k only to about 1e-8 relative, within the default tolerance but not exactly).
     values = oracle.project(reference.rvs(size=7, random_state=1), A, k)
     np.testing.assert_allclose(dist.log_prob(values), reference.logpdf(values), rtol=1e-8)
     np.testing.assert_allclose(dist.entropy(), reference.entropy(), rtol=1e-10)
