@@ -462,7 +462,9 @@ class ExactlyKBernoulli(TorchDistribution):
         all_on = (k_free == num_free)[..., None]
         value = torch.where(all_on, 1.0 - none_left, free)
         value = torch.where((k_free == 0)[..., None], none_left, value)
-        constant = torch.where(self._forced_on, forced_on, forced_off)
+        # Of the logits' dtype: a where between two Python numbers is a tensor of torch's
+        # default dtype, which would promote float32 results under a float64 default.
+        constant = torch.where(self._forced_on, torch.full_like(value, forced_on), forced_off)
         value = torch.where(self._finite, value, constant)
         return torch.where(self._infeasible[..., None], torch.nan, value)
 
