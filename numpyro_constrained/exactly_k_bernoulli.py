@@ -101,6 +101,21 @@ def _bound(n: int, k_max: int | None) -> int:
     return n if k_max is None else min(n, k_max)
 
 
+class _ArgConstraints(dict):
+    """``arg_constraints`` as a dict (NumPyro reads the class's as one) that, read from an
+    instance, declares ``k``'s exact range ``integer_interval(0, min(n, k_max))``: the range
+    the constructor checks, which depends on the instance's n. So every ``k`` that satisfies
+    the declared constraint is accepted, and ``validate_args`` and the constructor's check
+    agree. Read from the class (no n yet), ``k`` is a ``nonnegative_integer``."""
+
+    def __get__(self, instance, owner=None):
+        event_shape = None if instance is None else instance.__dict__.get("_event_shape")
+        if not event_shape:
+            return self
+        bound = _bound(event_shape[0], instance.__dict__.get("k_max"))
+        return {**self, "k": constraints.integer_interval(0, bound)}
+
+
 class ExactlyKBernoulli(Distribution):
     r"""Independent Bernoullis ``z_i ~ Bernoulli(sigmoid(logits_i))`` conditioned on
     ``sum_i z_i = k``.
@@ -197,11 +212,12 @@ class ExactlyKBernoulli(Distribution):
     # and the error should name what the caller passed. The last axis of logits and probs is
     # the event (event_dim 1): promote_batch_shape (numpyro.contrib.control_flow.scan) reads
     # the batch shape of every parameter from these event dims.
-    arg_constraints = {
-        "probs": constraints.independent(constraints.unit_interval, 1),
-        "logits": constraints.independent(_ExtendedReal(), 1),
-        "k": constraints.nonnegative_integer,
-    }
+    # k: integer_interval(0, min(n, k_max)) on an instance (see _ArgConstraints).
+    arg_constraints = _ArgConstraints(
+        probs=constraints.independent(constraints.unit_interval, 1),
+        logits=constraints.independent(_ExtendedReal(), 1),
+        k=constraints.nonnegative_integer,
+    )
     reparametrized_params = ["logits", "probs"]
     # NumPyro infers has_rsample from reparametrized_params covering arg_constraints, and k,
     # a count, has no gradient; the samples still carry the straight-through gradient, so
@@ -271,7 +287,7 @@ class ExactlyKBernoulli(Distribution):
             # specific messages: the parameter the caller gave is checked first (the other
             # one, derived from it, is invalid wherever it is), then k.
             if validate:
-                verdict = self.arg_constraints[given](getattr(self, given))
+                verdict = type(self).arg_constraints[given](getattr(self, given))
                 if not_jax_tracer(verdict) and not np.all(verdict):
                     raise ValueError(
                         f"ExactlyKBernoulli distribution got invalid {given} parameter."
@@ -539,6 +555,9 @@ class ExactlyKBernoulli(Distribution):
         return _log_constraint_prob(self.logits, log_norm, exact, problem)
 
     def expand(self, batch_shape) -> "ExactlyKBernoulli":
+        """A view of this distribution with batch shape ``batch_shape`` (an instance of the
+        same class whose parameters are broadcast, not an ``ExpandedDistribution``). Raises
+        ``ValueError`` where the current batch shape does not broadcast to ``batch_shape``."""
         batch_shape = tuple(batch_shape)
         if batch_shape == self.batch_shape:
             return self

@@ -162,6 +162,22 @@ def _centred(logits: torch.Tensor, finite: torch.Tensor, tilt: torch.Tensor) -> 
     return torch.where(finite, shifted, torch.zeros_like(shifted))
 
 
+class _ArgConstraints(dict):
+    """``arg_constraints`` as a dict (as torch and Pyro read a class's) that, read from an
+    instance, declares ``k``'s exact range ``integer_interval(0, min(n, k_max))``: the range
+    the constructor checks, which depends on the instance's n. So every ``k`` that satisfies
+    the declared constraint is accepted, and torch's validation and the constructor's check
+    agree. Read from the class (no n yet), ``k`` is a ``nonnegative_integer``."""
+
+    def __get__(self, instance, owner=None):
+        event_shape = None if instance is None else instance.__dict__.get("_event_shape")
+        if not event_shape:
+            return self
+        k_max = instance.__dict__.get("k_max")
+        bound = event_shape[0] if k_max is None else min(event_shape[0], k_max)
+        return {**self, "k": constraints.integer_interval(0, bound)}
+
+
 class ExactlyKBernoulli(TorchDistribution):
     r"""Independent Bernoullis ``z_i ~ Bernoulli(sigmoid(logits_i))`` conditioned on
     ``sum_i z_i = k``.
@@ -243,11 +259,12 @@ class ExactlyKBernoulli(TorchDistribution):
     # and the error should name what the caller passed.
     # The last axis of logits and probs is the event (event_dim 1), as torch's
     # test_params_constraints and NumPyro's promote_batch_shape read it.
-    arg_constraints = {
-        "probs": constraints.independent(constraints.unit_interval, 1),
-        "logits": constraints.independent(_ExtendedReal(), 1),
-        "k": constraints.nonnegative_integer,
-    }
+    # k: integer_interval(0, min(n, k_max)) on an instance (see _ArgConstraints).
+    arg_constraints = _ArgConstraints(
+        probs=constraints.independent(constraints.unit_interval, 1),
+        logits=constraints.independent(_ExtendedReal(), 1),
+        k=constraints.nonnegative_integer,
+    )
     has_rsample = True
     has_enumerate_support = True
     #: The largest support that `enumerate_support` builds (a ``ValueError`` beyond it).
@@ -657,8 +674,19 @@ class ExactlyKBernoulli(TorchDistribution):
         return torch.where(self._infeasible, -torch.inf, value)
 
     def expand(self, batch_shape, _instance=None) -> "ExactlyKBernoulli":
+        """A view of this distribution with batch shape ``batch_shape`` (an instance of the
+        same class whose parameters are broadcast, not an ``ExpandedDistribution``). Raises
+        ``ValueError`` where the current batch shape does not broadcast to ``batch_shape``."""
         new = self._get_checked_instance(ExactlyKBernoulli, _instance)
         batch_shape = torch.Size(batch_shape)
+        try:
+            if torch.broadcast_shapes(self.batch_shape, batch_shape) != batch_shape:
+                raise RuntimeError
+        except RuntimeError as error:
+            raise ValueError(
+                f"Cannot broadcast distribution of shape {tuple(self.batch_shape)} to shape "
+                f"{tuple(batch_shape)}"
+            ) from error
         new.logits = self.logits.expand(batch_shape + self.event_shape)
         if "probs" in self.__dict__:
             new.probs = self.probs.expand(batch_shape + self.event_shape)
