@@ -363,7 +363,8 @@ class ExactlyKBernoulli(Distribution):
 
     def _odds(self, problem) -> "_OddsTerms":
         """Zeros carrying the derivatives in ``probs`` at exact 0 and 1 (``_odds_terms``)."""
-        size = min(self._table_size + 1, self.event_shape[0])
+        # Room for k_free + 2 ones: the second-order terms' coefficients.
+        size = min(self._table_size + 2, self.event_shape[0])
         return _odds_terms(self.probs, self.logits, problem, size)
 
     def _centred_logits(self, parts) -> jax.Array:
@@ -684,27 +685,66 @@ def _centred(logits: jax.Array, tilt: jax.Array) -> jax.Array:
 
 
 class _OddsTerms(NamedTuple):
-    """First-order terms that give the derivatives in ``probs`` at exact 0 and 1, where the
-    logits are infinite and the chain rule through them would be ``0 * inf``. Every quantity
-    is a rational function of the odds ``w_i = p_i / (1 - p_i)`` near ``w_i = 0`` (and of
-    ``1 / w_i`` near ``p_i = 1``), with ``dw/dp = 1`` at ``p = 0`` and ``d(1/w)/dp = -1`` at
-    ``p = 1``: the one-sided derivatives are those of
+    """Terms that give the derivatives in ``probs`` at exact 0 and 1, where the logits are
+    infinite and the chain rule through them would be ``0 * inf``. Every quantity is a
+    rational function of the odds ``w_i = p_i / (1 - p_i)`` near ``w_i = 0`` (and of
+    ``v_j = (1 - p_j) / p_j`` near ``p_j = 1``). With ``Z`` the normaliser over the free
+    variables (``k_free`` ones among them) and ``r_m = e_{k_free + m} / e_{k_free}`` (0
+    where the count is out of range),
 
-        log Z += r_- sum_{p_i = 0} dp_i - r_+ sum_{p_i = 1} dp_i,
-        mu_j  += r_- (M_-j - mu_j) sum_{p_i = 0} dp_i - r_+ (M_+j - mu_j) sum_{p_i = 1} dp_i
-                 + (r_- [p_j = 0] + r_+ [p_j = 1]) dp_j,
+        Z_all / Z = 1 + r_-1 sum w + r_+1 sum v + r_-2 e_2(w) + r_+2 e_2(v) + sum w sum v
+                    + (terms of third order in w, v),
 
-    with ``Z`` the normaliser over the free variables (``k_free`` ones among them),
-    ``r_- = e_{k_free - 1} / e_{k_free}`` and ``M_-`` the marginals with one fewer one,
-    ``r_+ = e_{k_free + 1} / e_{k_free}`` and ``M_+`` with one more (0 where the count is
-    out of range). The fields are zeros carrying these derivatives (a ``custom_jvp``: the
-    extra kernels run only under differentiation; coefficients held to the dtype's finite
-    range). ``softplus``: the constraint probability's extra term, ``d(-sum softplus)`` over
-    the forced variables."""
+    so ``log Z`` gains ``log1p`` of that sum (``_edge_log_terms``): exact to second order,
+    so that first and second derivatives (Hessians) are the one-sided ones. To first order,
+
+        mu_j += r_-1 (M_-j - mu_j) sum_{p_i = 0} dp_i - r_+1 (M_+j - mu_j) sum_{p_i = 1} dp_i
+                + (r_-1 [p_j = 0] + r_+1 [p_j = 1]) dp_j,
+
+    with ``M_-`` the marginals with one fewer one and ``M_+`` with one more (first order
+    only: the marginals' second derivatives at an exact 0 or 1 are not these). The fields
+    are zeros carrying these derivatives (a ``custom_jvp``: the extra kernels run only under
+    differentiation; coefficients held to the dtype's finite range). ``softplus``: the
+    constraint probability's extra term, ``sum_{p_i = 0} log(1 - p_i) + sum_{p_j = 1}
+    log p_j`` (0 at the point)."""
 
     log_normalizer: jax.Array
     marginals: jax.Array
     softplus: jax.Array
+
+
+def _count_ratio(free_logits, problem: "_FreeProblem", log_norm, step: int, size: int):
+    """``e_{k_free + step} / e_{k_free}`` over the free variables (0 where that count is
+    impossible), at most the dtype's largest number, and the count used."""
+    num_free = kernels.count(jnp.isfinite(problem.logits)).astype(problem.k.dtype)
+    possible = (problem.k + step >= 0) & (problem.k + step <= num_free) & ~problem.infeasible
+    k = jnp.where(possible, problem.k + step, problem.k)
+    log_ratio = kernels.log_normalizer(free_logits, k, size) - log_norm
+    ratio = jnp.exp(jnp.where(possible, log_ratio, -jnp.inf)).astype(free_logits.dtype)
+    return jnp.minimum(ratio, float(jnp.finfo(free_logits.dtype).max)), k
+
+
+def _edge_log_terms(probs, free_logits, problem: "_FreeProblem", size: int):
+    """(log Z_all - log Z, the softplus term) as functions of the probs at exact 0 and 1
+    (both 0 there), to second order (see ``_OddsTerms``). A real function, not a tangent,
+    so that JAX's second derivatives, mixed ones with interior probs included, are right."""
+    off, on = probs == 0, probs == 1
+    # Safe branches: the untaken side of a where must have a finite derivative.
+    at_zero = jnp.where(off, probs, 0.0)
+    at_one = jnp.where(on, probs, 1.0)
+    w = at_zero / (1 - at_zero)
+    v = (1 - at_one) / at_one
+    log_norm = kernels.log_normalizer(free_logits, problem.k, size)
+    r = {
+        step: _count_ratio(free_logits, problem, log_norm, step, size)[0] for step in (-2, -1, 1, 2)
+    }
+    sum_w, sum_v = w.sum(-1), v.sum(-1)
+    pairs_w = (sum_w**2 - (w**2).sum(-1)) / 2
+    pairs_v = (sum_v**2 - (v**2).sum(-1)) / 2
+    ratio = r[-1] * sum_w + r[1] * sum_v + r[-2] * pairs_w + r[2] * pairs_v + sum_w * sum_v
+    ratio = jnp.where(problem.infeasible, 0.0, ratio)
+    softplus = (jnp.log1p(-at_zero) + jnp.log(at_one)).sum(-1)
+    return jnp.log1p(ratio), softplus
 
 
 @partial(jax.custom_jvp, nondiff_argnums=(3,))
@@ -716,37 +756,32 @@ def _odds_terms(probs, logits, problem: "_FreeProblem", size: int) -> _OddsTerms
 @_odds_terms.defjvp
 def _odds_terms_jvp(size, primals, tangents):
     probs, logits, problem = primals
-    d_probs = tangents[0]
+    d_probs, d_problem = tangents[0], tangents[2]
     out = _odds_terms(probs, logits, problem, size)
-    k_free = problem.k
-    num_free = kernels.count(jnp.isfinite(problem.logits)).astype(k_free.dtype)
+    dtype = logits.dtype
+    _, (d_log_norm, d_softplus) = jax.jvp(
+        lambda p, free: _edge_log_terms(p, free, problem, size),
+        (probs, problem.logits),
+        (d_probs, d_problem.logits),
+    )
     # Differentiable coefficients (log_normalizer's derivative is the marginals), so that
     # mixed second derivatives with an interior prob are right.
-    log_norm = kernels.log_normalizer(problem.logits, k_free, size)
-    mu = _complete_selection(kernels.marginals(problem.logits, k_free, size), logits, problem)
-    feasible = ~problem.infeasible
-    dtype = logits.dtype
-    largest = float(jnp.finfo(dtype).max)
+    log_norm = kernels.log_normalizer(problem.logits, problem.k, size)
+    mu = _complete_selection(kernels.marginals(problem.logits, problem.k, size), logits, problem)
     ratios, changes = [], []
-    for step, possible in ((-1, k_free >= 1), (1, k_free + 1 <= num_free)):
-        k = jnp.where(possible, k_free + step, k_free)
-        log_ratio = kernels.log_normalizer(problem.logits, k, size) - log_norm
-        log_ratio = jnp.where(possible & feasible, log_ratio, -jnp.inf)
-        ratio = jnp.exp(log_ratio).astype(dtype)
-        ratio = jnp.minimum(ratio, largest)[..., None]
+    for step in (-1, 1):
+        ratio, k = _count_ratio(problem.logits, problem, log_norm, step, size)
         neighbour = _complete_selection(
             kernels.marginals(problem.logits, k, size), logits, problem._replace(k=k)
         )
-        ratios.append(ratio)
-        changes.append(jnp.nan_to_num(ratio * (neighbour - mu), nan=0.0))
+        ratios.append(ratio[..., None])
+        changes.append(jnp.nan_to_num(ratio[..., None] * (neighbour - mu), nan=0.0))
     (r_minus, r_plus), (change_minus, change_plus) = ratios, changes
     d_off = jnp.where(probs == 0, d_probs, 0.0)
     d_on = jnp.where(probs == 1, d_probs, 0.0)
     sum_off, sum_on = d_off.sum(-1, keepdims=True), d_on.sum(-1, keepdims=True)
     marginals = sum_off * change_minus - sum_on * change_plus + r_minus * d_off + r_plus * d_on
-    tangent = _OddsTerms(
-        (sum_off * r_minus - sum_on * r_plus)[..., 0], marginals, (sum_on - sum_off)[..., 0]
-    )
+    tangent = _OddsTerms(d_log_norm, marginals, d_softplus)
     return out, jax.tree_util.tree_map(lambda t: t.astype(dtype), tangent)
 
 

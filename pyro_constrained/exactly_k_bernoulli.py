@@ -431,23 +431,18 @@ class ExactlyKBernoulli(TorchDistribution):
         if not torch.jit.is_tracing() and not bool((off | on).any()):
             return None
         # Differentiable coefficients (log_normalizer's gradient is the marginals), so that
-        # mixed second derivatives with an interior prob are right.
-        logits, k_free, num_free = self._kernel_logits, self._k_free, self._finite.sum(-1)
-        size = min(self._table_size + 1, self.event_shape[0])
-        feasible = ~self._infeasible
-        ratios, neighbours = [], []
-        for step, possible in ((-1, k_free >= 1), (1, k_free + 1 <= num_free)):
-            k = torch.where(possible, k_free + step, k_free)
-            log_ratio = kernels.log_normalizer(logits, k, size) - kernels.log_normalizer(
-                logits, k_free, size, self._normalizer_parts
-            )
-            log_ratio = torch.where(possible & feasible, log_ratio, -torch.inf)
-            ratios.append(log_ratio.exp())
-            free = kernels.marginals(logits, k, size) if size else torch.zeros_like(logits)
-            neighbours.append(self._complete(free, 1.0, 0.0, 0.0, k_free=k))
-        dtype = self.logits.dtype
-        largest = torch.finfo(dtype).max
-        r_minus, r_plus = (r.to(dtype).clamp(max=largest)[..., None] for r in ratios)
+        # mixed second derivatives with an interior prob are right. Tables with room for
+        # k_free + 2 ones: the second-order terms' coefficients.
+        size = min(self._table_size + 2, self.event_shape[0])
+        r, neighbours = {}, []
+        for step in (-2, -1, 1, 2):
+            r[step], k = self._count_ratio(step, size)
+            if abs(step) == 1:
+                free = kernels.marginals(self._kernel_logits, k, size) if size else None
+                free = torch.zeros_like(self.logits) if free is None else free
+                neighbours.append(self._complete(free, 1.0, 0.0, 0.0, k_free=k))
+        largest = torch.finfo(self.logits.dtype).max
+        r_minus, r_plus = r[-1][..., None], r[1][..., None]
         mu = self._free_marginal_pair[0]
         d_off = torch.where(off, probs - probs.detach(), 0.0)
         d_on = torch.where(on, probs - probs.detach(), 0.0)
@@ -456,14 +451,31 @@ class ExactlyKBernoulli(TorchDistribution):
         change_plus = torch.nan_to_num((r_plus * (neighbours[1] - mu)), 0.0, largest, -largest)
         marginals = sum_off * change_minus - sum_on * change_plus + r_minus * d_off + r_plus * d_on
         direction = torch.where(off & (r_minus > 0), 1.0, 0.0)
-        direction = torch.where(on & (r_plus > 0), -1.0, direction).to(dtype)
-        return _OddsTangents(
-            (sum_off * r_minus - sum_on * r_plus)[..., 0],
-            marginals,
-            (sum_on - sum_off)[..., 0],
-            direction,
-            probs,
+        direction = torch.where(on & (r_plus > 0), -1.0, direction).to(self.logits.dtype)
+        # The odds as real functions of the probs (0 at the point): second derivatives too.
+        at_zero = torch.where(off, probs, 0.0)
+        at_one = torch.where(on, probs, 1.0)
+        w, v = at_zero / (1 - at_zero), (1 - at_one) / at_one
+        sum_w, sum_v = w.sum(-1), v.sum(-1)
+        pairs_w = (sum_w**2 - (w**2).sum(-1)) / 2
+        pairs_v = (sum_v**2 - (v**2).sum(-1)) / 2
+        ratio = r[-1] * sum_w + r[1] * sum_v + r[-2] * pairs_w + r[2] * pairs_v + sum_w * sum_v
+        ratio = torch.where(self._infeasible, 0.0, ratio)
+        softplus = (torch.log1p(-at_zero) + torch.log(at_one)).sum(-1)
+        return _OddsTangents(torch.log1p(ratio), marginals, softplus, direction, probs)
+
+    def _count_ratio(self, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``e_{k_free + step} / e_{k_free}`` over the free variables (0 where that count is
+        impossible), at most the dtype's largest number, and the count used."""
+        k_free, num_free = self._k_free, self._finite.sum(-1)
+        possible = (k_free + step >= 0) & (k_free + step <= num_free) & ~self._infeasible
+        k = torch.where(possible, k_free + step, k_free)
+        logits = self._kernel_logits
+        log_ratio = kernels.log_normalizer(logits, k, size) - kernels.log_normalizer(
+            logits, k_free, size, self._normalizer_parts
         )
+        ratio = torch.where(possible, log_ratio, -torch.inf).exp().to(self.logits.dtype)
+        return ratio.clamp(max=torch.finfo(self.logits.dtype).max), k
 
     @lazy_property
     def _deterministic(self) -> torch.Tensor:

@@ -13,6 +13,7 @@ probabilities) and float64 ones to ``1e-10``; an error caused by lost mass (the 
 these tests were written against) is of order 1.
 """
 
+import itertools
 import math
 from functools import partial
 
@@ -607,3 +608,73 @@ def test_boolean_k_hot_values_are_in_the_support(framework):
         assert not bool(d.support(jnp.asarray(value[1])))
         with pytest.warns(UserWarning, match="Out-of-support"):
             assert float(d.log_prob(jnp.asarray(value[1]))) == -np.inf
+
+
+def _polynomial_log_pmf_and_normalizer(probs: np.ndarray, k: int, z: np.ndarray):
+    """(log p(z), log P(sum = k)) by enumeration of the k-hot vectors, in the probs
+    themselves: ratios of polynomials, analytic across 0 and 1 (as long as z has no 1 at a
+    0 and no 0 at a 1), so central differences there give the one-sided derivatives."""
+    n = probs.shape[0]
+    weights = {}
+    for ones in itertools.combinations(range(n), k):
+        row = np.zeros(n)
+        row[list(ones)] = 1.0
+        weights[tuple(row)] = math.prod(np.where(row == 1, probs, 1 - probs))
+    normalizer = math.fsum(weights.values())
+    return math.log(weights[tuple(z)]) - math.log(normalizer), math.log(normalizer)
+
+
+def _hessian_by_differences(function, x: np.ndarray, step: float = 1e-4) -> np.ndarray:
+    n = x.shape[0]
+    out = np.zeros((n, n))
+    for i, j in itertools.product(range(n), repeat=2):
+
+        def at(a, b, i=i, j=j):
+            moved = x.copy()
+            moved[i] += a
+            moved[j] += b
+            return function(moved)
+
+        out[i, j] = (at(step, step) - at(step, -step) - at(-step, step) + at(-step, -step)) / (
+            4 * step * step
+        )
+    return out
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_second_derivatives_at_probs_of_exactly_zero_and_one(framework):
+    """Issue 29: Hessians in ``probs`` of log_prob and log_constraint_prob at exact 0s and 1s
+    were 0 in every entry that involves them (the derivatives there were first-order
+    terms only). Two 0s and two 1s with two free ones to place, so that every second-order
+    coefficient (two more ones, two fewer) is nonzero; against enumeration in float64."""
+    probs = np.array([0.0, 0.0, 1.0, 1.0, 0.3, 0.6, 0.2, 0.5])
+    k = 4
+    z = np.array([0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0])
+    expected = [
+        _hessian_by_differences(
+            lambda p, i=i: _polynomial_log_pmf_and_normalizer(p, k, z)[i], probs
+        )
+        for i in range(2)
+    ]
+    if framework == "torch":
+
+        def functions(d):
+            return d.log_prob(torch.tensor(z)), d.log_constraint_prob()
+
+        actual = [
+            torch.autograd.functional.hessian(
+                lambda p, i=i: functions(TorchExactlyKBernoulli(probs=p, k=k))[i],
+                torch.tensor(probs),
+            ).numpy()
+            for i in range(2)
+        ]
+    else:
+
+        def functions(p):
+            d = JaxExactlyKBernoulli(probs=p, k=k)
+            return jnp.stack([d.log_prob(jnp.asarray(z)), d.log_constraint_prob()])
+
+        both = jax.hessian(functions)(jnp.asarray(probs))
+        actual = [np.asarray(both[i]) for i in range(2)]
+    for got, want in zip(actual, expected, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-6 * max(1.0, np.abs(want).max()))
