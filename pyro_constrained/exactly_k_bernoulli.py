@@ -9,9 +9,7 @@ validation, shapes and the framework's protocols.
 """
 
 import math
-import warnings
-from contextlib import contextmanager, nullcontext
-from typing import NamedTuple
+from contextlib import nullcontext
 
 import torch
 from pyro.distributions import Bernoulli, TorchDistribution
@@ -21,7 +19,6 @@ from torch.distributions.utils import lazy_property
 
 from constrained_ppl.arguments import (
     DISCRETE_GRAD_ESTIMATORS,
-    check_count,
     check_grad_estimator,
     check_static_bound,
     check_value_shape,
@@ -29,153 +26,25 @@ from constrained_ppl.arguments import (
 )
 from constrained_ppl.enumeration import check_support_size, k_hot_table, single_count
 from pyro_constrained import exactly_k_kernels as kernels
+from pyro_constrained._exactly_k_arguments import (
+    KHot,
+    _ArgConstraints,
+    _as_k,
+    _ExtendedReal,
+    _logits_from_probs,
+    _static_under_trace,
+)
+from pyro_constrained._exactly_k_terms import (
+    _centred,
+    _infinite_slope,
+    _OddsTangents,
+    _softplus,
+    _value_with_gradient_of,
+)
+from pyro_constrained._exactly_k_terms import _kl_exactly_k_bernoulli as _kl
 from pyro_constrained._repr import parameters_repr
 
 __all__ = ["ExactlyKBernoulli", "KHot"]
-
-
-def _softplus(x: torch.Tensor) -> torch.Tensor:
-    # F.softplus is the identity above a threshold (20 by default): off by up to 2e-9, not
-    # float64-exact. relu(x) + log1p(exp(-|x|)) is exact but its autograd derivative is
-    # wrong at x = 0 (the kinks of relu and |x| do not cancel there). logaddexp is exact,
-    # and its derivatives are right for the finite inputs it gets here.
-    return torch.logaddexp(x, torch.zeros_like(x))
-
-
-class _ExtendedReal(constraints.Constraint):
-    """The extended real line [-inf, +inf]: anything but NaN (infinite logits force a
-    variable off or on)."""
-
-    def check(self, value: torch.Tensor) -> torch.Tensor:
-        return value == value
-
-
-class KHot(constraints.Constraint):
-    """0/1 vectors (last dimension) with exactly ``k`` ones; ``k`` broadcasts with the batch."""
-
-    is_discrete = True
-    event_dim = 1
-
-    def __init__(self, k: torch.Tensor):
-        self.k = k
-        super().__init__()
-
-    def check(self, value: torch.Tensor) -> torch.Tensor:
-        binary = ((value == 0) | (value == 1)).all(-1)
-        # Counted as integers: cast to a boolean value's dtype, k = 2 would become True.
-        return binary & (value.sum(-1) == self.k)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(k={self.k})"
-
-
-def _as_k(k, logits: torch.Tensor) -> torch.Tensor:
-    """``k`` as a long tensor, after the count rule of ``check_count`` (an int, an integer
-    tensor, or whole-number floats; 3.5, bools, complex numbers and NaN are a
-    ``ValueError``). Torch values are always concrete, so a float k is checked entry by
-    entry and its whole numbers converted exactly."""
-    check_count(k, concrete=True, name="k")
-    if isinstance(k, torch.Tensor):
-        return k.to(device=logits.device, dtype=torch.long)
-    with _static_under_trace():  # a Python number is a constant of the trace
-        return torch.as_tensor(k, device=logits.device).to(torch.long)
-
-
-@contextmanager
-def _static_under_trace():
-    """Silences torch's TracerWarnings around code that reads only static information
-    (sizes, which a trace fixes, and a ``k`` given as Python numbers, a constant of the
-    trace). Python branches on values that can change between calls (the logits) must not
-    be inside: under ``torch.jit.trace`` such code takes branch-free forms instead."""
-    if not torch.jit.is_tracing():
-        yield
-        return
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
-        yield
-
-
-def _value_with_gradient_of(value: torch.Tensor, formula: torch.Tensor) -> torch.Tensor:
-    """``value`` (computed accurately, without gradient) carrying the gradient of
-    ``formula``, an expression equal to it in exact arithmetic but with rounding error in
-    floating point; where the formula is not finite, ``value`` alone."""
-    difference = formula - formula.detach()
-    return value + torch.where(torch.isfinite(formula), difference, 0.0)
-
-
-def _logits_from_probs(probs: torch.Tensor) -> torch.Tensor:
-    # Exact 0 and 1 map to -inf and +inf (torch's probs_to_logits clamps them instead), and
-    # invalid probs to NaN. The log is taken of interior probs only (the other branch of
-    # the where gets 1/2): log(0)'s infinite derivative times a zero cotangent would be NaN.
-    # The derivative at an exact 0 or 1 is supplied by _OddsTangents instead.
-    interior = (probs > 0) & (probs < 1)
-    safe = torch.where(interior, probs, 0.5)
-    logits = torch.log(safe) - torch.log1p(-safe)
-    edge = torch.where(probs == 0, -torch.inf, torch.where(probs == 1, torch.inf, torch.nan))
-    return torch.where(interior, logits, edge.to(logits.dtype))
-
-
-class _OddsTangents(NamedTuple):
-    """First-order terms that give the derivatives in ``probs`` at exact 0 and 1, where the
-    logits are infinite and the chain rule through them would be ``0 * inf``. Every quantity
-    is a rational function of the odds ``w_i = p_i / (1 - p_i)`` near ``w_i = 0`` (and of
-    ``1 / w_i`` near ``p_i = 1``), with ``dw/dp = 1`` at ``p = 0`` and ``d(1/w)/dp = -1`` at
-    ``p = 1``: the one-sided derivatives are those of
-
-        log Z += r_- sum_{p_i = 0} dp_i - r_+ sum_{p_i = 1} dp_i,
-        mu_j  += r_- (M_-j - mu_j) sum_{p_i = 0} dp_i - r_+ (M_+j - mu_j) sum_{p_i = 1} dp_i
-                 + (r_- [p_j = 0] + r_+ [p_j = 1]) dp_j,
-
-    with ``Z`` the normaliser over the free variables (``k_free`` ones among them),
-    ``r_- = e_{k_free - 1} / e_{k_free}`` and ``M_-`` the marginals with one fewer one,
-    ``r_+ = e_{k_free + 1} / e_{k_free}`` and ``M_+`` with one more (0 where the count is
-    out of range). The fields are zero-valued tensors carrying these derivatives (their
-    coefficients held to the dtype's finite range, so that a value is never ``0 * inf``)."""
-
-    log_normalizer: torch.Tensor
-    marginals: torch.Tensor
-    # The constraint probability's extra term: d(-sum softplus) over the forced variables.
-    softplus: torch.Tensor
-    # Per variable: +1 where p = 0 and the variable could be switched on (r_- > 0), -1
-    # where p = 1 and it could be switched off (r_+ > 0), else 0: the entropy's one-sided
-    # derivative there is this sign times infinity (a -w log w term, as for a Bernoulli),
-    # given as the dtype's largest finite number (see _infinite_slope).
-    unbounded: torch.Tensor
-    probs: torch.Tensor
-
-
-def _infinite_slope(probs: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
-    """Zero (shape ``batch``) whose derivative in ``probs`` is ``direction`` times the
-    dtype's largest finite number, standing for an infinite one-sided derivative: a true
-    infinity would turn a zero incoming gradient into NaN."""
-    largest = torch.finfo(probs.dtype).max
-    return ((probs - probs.detach()) * (direction * largest)).sum(-1)
-
-
-def _centred(logits: torch.Tensor, finite: torch.Tensor, tilt: torch.Tensor) -> torch.Tensor:
-    """The finite logits plus the tilt (0 elsewhere). In a formula used for its gradient
-    only (``theta . mu``, with ``sum mu = k`` fixed), adding a constant per row changes
-    nothing in exact arithmetic; in floating point it keeps the products ``theta_j
-    d mu_j`` as small as the tilted logits, where a shared offset (every logit near 1e6)
-    would make them cancel to a fraction of the offset's rounding."""
-    shifted = logits + tilt.to(logits.dtype)[..., None]
-    return torch.where(finite, shifted, torch.zeros_like(shifted))
-
-
-class _ArgConstraints(dict):
-    """``arg_constraints`` as a dict (as torch and Pyro read a class's) that, read from an
-    instance, declares ``k``'s exact range ``integer_interval(0, min(n, k_max))``: the range
-    the constructor checks, which depends on the instance's n. So every ``k`` that satisfies
-    the declared constraint is accepted, and torch's validation and the constructor's check
-    agree. Read from the class (no n yet), ``k`` is a ``nonnegative_integer``."""
-
-    def __get__(self, instance, owner=None):
-        event_shape = None if instance is None else instance.__dict__.get("_event_shape")
-        if not event_shape:
-            return self
-        k_max = instance.__dict__.get("k_max")
-        bound = event_shape[0] if k_max is None else min(event_shape[0], k_max)
-        return {**self, "k": constraints.integer_interval(0, bound)}
 
 
 class ExactlyKBernoulli(TorchDistribution):
@@ -726,38 +595,5 @@ class ExactlyKBernoulli(TorchDistribution):
         )
 
 
-@register_kl(ExactlyKBernoulli, ExactlyKBernoulli)
-def _kl_exactly_k_bernoulli(p: ExactlyKBernoulli, q: ExactlyKBernoulli) -> torch.Tensor:
-    """``KL(p || q) = mu_p . (theta_p - theta_q) - log e_k(p) + log e_k(q)`` over finite
-    logits; ``+inf`` where p puts mass on a vector that q forbids. Evaluated as the
-    difference of two cross-entropies of the tilted logits (``kernels.cross_entropy_value``),
-    exactly 0 for p = q and exact for logits of any size; the gradient is the formula's."""
-    with _static_under_trace():  # sizes, which a trace fixes
-        same_n = p.event_shape == q.event_shape
-    if not same_n:
-        raise ValueError(f"KL needs the same n, got {p.event_shape[0]} and {q.event_shape[0]}")
-    constant_k = p._k_is_constant and q._k_is_constant
-    with _static_under_trace() if constant_k else nullcontext():
-        same_k = torch.equal(*torch.broadcast_tensors(p.k, q.k))
-    if not same_k:
-        raise ValueError("KL between ExactlyKBernoulli needs the same k")
-    mu, complement = p._marginal_pair
-    cross = kernels.cross_entropy_value(q._kernel_logits, q._normalizer_parts, mu, complement)
-    own = kernels.cross_entropy_value(p._kernel_logits, p._normalizer_parts, mu, complement)
-    exact = torch.where(p._deterministic & q._deterministic, 0.0, cross - own)
-    p_centred = _centred(p.logits, p._finite, p._normalizer_parts.tilt)
-    q_centred = _centred(q.logits, q._finite, q._normalizer_parts.tilt)
-    formula = (mu * p_centred).sum(-1) - (mu * q_centred).sum(-1)
-    formula = formula - p._log_normalizer + q._log_normalizer
-    if p._odds_tangents is not None:
-        # -H(p)'s infinite slope, or +inf where q has the same infinite logit (moving p's
-        # mass onto a vector q forbids makes the KL infinite).
-        same = torch.where(q.logits == p.logits, -1.0, 1.0).to(p.logits.dtype)
-        direction = -p._odds_tangents.unbounded * same
-        formula = formula + _infinite_slope(p._odds_tangents.probs, direction)
-    kl = _value_with_gradient_of(exact.to(formula.dtype), formula)
-    forbidden = q.logits == -torch.inf
-    required = q._forced_on
-    escapes = ((mu > 0) & forbidden).any(-1) | ((mu < 1) & required).any(-1)
-    kl = torch.where(escapes, torch.inf, kl)
-    return torch.where(p._infeasible | q._infeasible, torch.nan, kl)
+# The KL lives with the other formulas; registered here, where the class is defined.
+register_kl(ExactlyKBernoulli, ExactlyKBernoulli)(_kl)
