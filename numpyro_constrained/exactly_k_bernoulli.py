@@ -31,7 +31,7 @@ from constrained_ppl.enumeration import check_support_size, k_hot_table, single_
 from numpyro_constrained import exactly_k_kernels as kernels
 from numpyro_constrained._batching import check_expand, vmap_over_broadcast_leaves
 from numpyro_constrained._compat import refuse_scalar_coordinate_consumers
-from numpyro_constrained._exactly_k_arguments import (
+from numpyro_constrained._ekb_arguments import (
     KHot,
     _ArgConstraints,
     _as_k,
@@ -39,7 +39,7 @@ from numpyro_constrained._exactly_k_arguments import (
     _ExtendedReal,
     _logits_from_probs,
 )
-from numpyro_constrained._exactly_k_terms import (
+from numpyro_constrained._ekb_terms import (
     _centred,
     _complete_pair,
     _complete_selection,

@@ -26,7 +26,7 @@ from constrained_ppl.arguments import (
 )
 from constrained_ppl.enumeration import check_support_size, k_hot_table, single_count
 from pyro_constrained import exactly_k_kernels as kernels
-from pyro_constrained._exactly_k_arguments import (
+from pyro_constrained._ekb_arguments import (
     KHot,
     _ArgConstraints,
     _as_k,
@@ -34,14 +34,14 @@ from pyro_constrained._exactly_k_arguments import (
     _logits_from_probs,
     _static_under_trace,
 )
-from pyro_constrained._exactly_k_terms import (
+from pyro_constrained._ekb_terms import (
     _centred,
     _infinite_slope,
     _OddsTangents,
     _softplus,
     _value_with_gradient_of,
 )
-from pyro_constrained._exactly_k_terms import _kl_exactly_k_bernoulli as _kl
+from pyro_constrained._ekb_terms import _kl_exactly_k_bernoulli as _kl
 from pyro_constrained._repr import parameters_repr
 
 __all__ = ["ExactlyKBernoulli", "KHot"]

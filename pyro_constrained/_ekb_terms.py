@@ -8,7 +8,7 @@ from typing import NamedTuple
 import torch
 
 from pyro_constrained import exactly_k_kernels as kernels
-from pyro_constrained._exactly_k_arguments import _static_under_trace
+from pyro_constrained._ekb_arguments import _static_under_trace
 
 
 def _softplus(x: torch.Tensor) -> torch.Tensor:
