@@ -493,8 +493,8 @@ class ExactlyKBernoulli(Distribution):
         where the constraint is impossible. Near the mode, ``log P`` is only about
         ``-log(n) / 2`` while its parts are about n / 3: its tables are float64 whatever the
         logits' dtype when x64 is on; with x64 off they are float32 and the parts are
-        subtracted as error-free float32 pairs (``kernels.log_constraint_prob_value``;
-        plainly rounded they gave 3.7e-5 relative at n = 1e4)."""
+        subtracted as error-free float32 pairs (``kernels.log_constraint_prob_value``), which
+        plain rounding would leave with a relative error of up to ``n eps``."""
         problem = self._problem
         parts = self._parts(problem)
         wide_logits = problem.logits.astype(kernels.wide_dtype(problem.logits.dtype))
