@@ -292,36 +292,45 @@ def _gradients(framework: str, dtype: str, logits, q_logits, k: int, z, weights,
         )
         return {name: _numpy(value) for name, value in out.items()}
 
+    def array(x):
+        return jnp.asarray(np.asarray(x), dtype=getattr(jnp, dtype))
+
+    by_p, by_q = _jax_gradients(
+        array(logits), array(q_logits), array(z), array(weights), array(target), k=k
+    )
+    out = dict(zip(_JAX_GRADIENT_NAMES + ["kl_p"], by_p, strict=True))
+    out["kl_q"] = by_q[-1]
+    return {name: _numpy(value) for name, value in out.items()}
+
+
+_JAX_GRADIENT_NAMES = ["log_prob", "entropy", "log_constraint_prob", "mean", "variance", "l1", "l2"]
+
+
+@partial(jax.jit, static_argnames="k")
+def _jax_gradients(theta, other, z, weights, target, k: int):
+    """The Jacobian of every scalar in the logits of p (and q), as one program compiled once
+    per k and dtype and shared by the examples: eagerly, each example traced the kernels'
+    derivatives again (most of the test's time). The logits are traced, as under SVI; the
+    count k is a constant, as in eager use."""
     from numpyro.distributions.kl import kl_divergence
 
     from numpyro_constrained.losses import expected_l1_loss, expected_l2_loss
 
-    def make(theta):
-        return JaxExactlyKBernoulli(logits=theta, k=k)
-
-    def array(x):
-        return jnp.asarray(np.asarray(x), dtype=getattr(jnp, dtype))
-
-    functions = {
-        "log_prob": lambda d: d.log_prob(array(z)),
-        "entropy": lambda d: d.entropy(),
-        "log_constraint_prob": lambda d: d.log_constraint_prob(),
-        "mean": lambda d: (d.mean * array(weights)).sum(),
-        "variance": lambda d: (d.variance * array(weights)).sum(),
-        "l1": lambda d: expected_l1_loss(d, array(target)),
-        "l2": lambda d: expected_l2_loss(d, array(target)),
-    }
-
     def everything(theta, other):
-        p = make(theta)
-        return jnp.stack([functions[name](p) for name in names] + [kl_divergence(p, make(other))])
+        p = JaxExactlyKBernoulli(logits=theta, k=k)
+        values = {
+            "log_prob": p.log_prob(z),
+            "entropy": p.entropy(),
+            "log_constraint_prob": p.log_constraint_prob(),
+            "mean": (p.mean * weights).sum(),
+            "variance": (p.variance * weights).sum(),
+            "l1": expected_l1_loss(p, target),
+            "l2": expected_l2_loss(p, target),
+        }
+        q = JaxExactlyKBernoulli(logits=other, k=k)
+        return jnp.stack([values[name] for name in _JAX_GRADIENT_NAMES] + [kl_divergence(p, q)])
 
-    # One reverse pass for all the scalars (a Jacobian): each separate jax.grad traced and
-    # compiled the kernels' derivatives again, several times the test's cost.
-    by_p, by_q = jax.jacrev(everything, argnums=(0, 1))(array(logits), array(q_logits))
-    out = dict(zip(names + ["kl_p"], by_p, strict=True))
-    out["kl_q"] = by_q[-1]
-    return {name: _numpy(value) for name, value in out.items()}
+    return jax.jacrev(everything, argnums=(0, 1))(theta, other)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
