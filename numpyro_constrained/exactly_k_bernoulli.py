@@ -9,8 +9,6 @@ logits, validation, shapes and the framework's protocols (pytree, ``vmap_over``,
 """
 
 import math
-from functools import partial
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +22,6 @@ from numpyro.util import not_jax_tracer
 
 from constrained_ppl.arguments import (
     DISCRETE_GRAD_ESTIMATORS,
-    check_count,
     check_grad_estimator,
     check_static_bound,
     check_value_shape,
@@ -34,6 +31,31 @@ from constrained_ppl.enumeration import check_support_size, k_hot_table, single_
 from numpyro_constrained import exactly_k_kernels as kernels
 from numpyro_constrained._batching import check_expand, vmap_over_broadcast_leaves
 from numpyro_constrained._compat import refuse_scalar_coordinate_consumers
+from numpyro_constrained._ekb_arguments import (
+    KHot,
+    _ArgConstraints,
+    _as_k,
+    _bound,
+    _ExtendedReal,
+    _logits_from_probs,
+)
+from numpyro_constrained._ekb_terms import (
+    _centred,
+    _complete_pair,
+    _complete_selection,
+    _entropy,
+    _free_problem,
+    _FreeProblem,
+    _in_support,
+    _infinite_slope,
+    _kl,
+    _log_constraint_prob,
+    _log_prob,
+    _mode,
+    _odds_terms,
+    _OddsTerms,
+    _unbounded,
+)
 from numpyro_constrained._repr import parameters_repr
 from numpyro_constrained.validation import (
     as_concrete_where_possible,
@@ -42,63 +64,6 @@ from numpyro_constrained.validation import (
 )
 
 __all__ = ["ExactlyKBernoulli", "KHot"]
-
-
-def _softplus(x: jax.Array) -> jax.Array:
-    # Exact (no linear threshold), with a custom JVP that is right at 0; relu(x) +
-    # log1p(exp(-|x|)) has a wrong autograd derivative at x = 0. Inputs here are finite.
-    return jax.nn.softplus(x)
-
-
-class _ExtendedReal(constraints.ParameterFreeConstraint):
-    """The extended real line [-inf, +inf]: anything but NaN (infinite logits force a
-    variable off or on). NumPyro's ``real`` excludes the infinities."""
-
-    def __call__(self, x):
-        return x == x
-
-    def feasible_like(self, prototype):
-        return jnp.zeros_like(prototype)
-
-
-class KHot(constraints.Constraint):
-    """0/1 vectors (last dimension) with exactly ``k`` ones; ``k`` broadcasts with the batch."""
-
-    is_discrete = True
-    event_dim = 1
-
-    def __init__(self, k):
-        self.k = k
-
-    def __call__(self, x):
-        xp = jnp if isinstance(x, jax.Array) else np
-        binary = xp.all((x == 0) | (x == 1), axis=-1)
-        return binary & (xp.sum(x, axis=-1) == self.k)
-
-    def feasible_like(self, prototype):
-        n = jnp.shape(prototype)[-1]
-        first_k = jnp.arange(n) < jnp.expand_dims(jnp.asarray(self.k), -1)
-        return jnp.broadcast_to(first_k, jnp.shape(prototype)).astype(jnp.result_type(prototype))
-
-    def tree_flatten(self):
-        return (self.k,), (("k",), dict())
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(k={self.k})"
-
-
-def _as_k(k) -> jax.Array:
-    """``k`` as an array, after the count rule of ``check_count`` (an int, an integer array,
-    or whole-number floats; 3.5, bools, complex numbers and NaN are a ``ValueError``). Its
-    dtype is kept: a float ``k`` stays float, so that a distribution built from a concrete
-    float ``k`` and one built from a traced one have the same pytree (a ``lax.scan`` carry)."""
-    check_count(k, concrete=not_jax_tracer(k), name="k")
-    return jnp.asarray(k)
-
-
-def _bound(n: int, k_max: int | None) -> int:
-    """The largest valid ``k``: n, or ``k_max`` if that is smaller."""
-    return n if k_max is None else min(n, k_max)
 
 
 class ExactlyKBernoulli(Distribution):
@@ -197,11 +162,12 @@ class ExactlyKBernoulli(Distribution):
     # and the error should name what the caller passed. The last axis of logits and probs is
     # the event (event_dim 1): promote_batch_shape (numpyro.contrib.control_flow.scan) reads
     # the batch shape of every parameter from these event dims.
-    arg_constraints = {
-        "probs": constraints.independent(constraints.unit_interval, 1),
-        "logits": constraints.independent(_ExtendedReal(), 1),
-        "k": constraints.nonnegative_integer,
-    }
+    # k: integer_interval(0, min(n, k_max)) on an instance (see _ArgConstraints).
+    arg_constraints = _ArgConstraints(
+        probs=constraints.independent(constraints.unit_interval, 1),
+        logits=constraints.independent(_ExtendedReal(), 1),
+        k=constraints.nonnegative_integer,
+    )
     reparametrized_params = ["logits", "probs"]
     # NumPyro infers has_rsample from reparametrized_params covering arg_constraints, and k,
     # a count, has no gradient; the samples still carry the straight-through gradient, so
@@ -271,7 +237,7 @@ class ExactlyKBernoulli(Distribution):
             # specific messages: the parameter the caller gave is checked first (the other
             # one, derived from it, is invalid wherever it is), then k.
             if validate:
-                verdict = self.arg_constraints[given](getattr(self, given))
+                verdict = type(self).arg_constraints[given](getattr(self, given))
                 if not_jax_tracer(verdict) and not np.all(verdict):
                     raise ValueError(
                         f"ExactlyKBernoulli distribution got invalid {given} parameter."
@@ -347,7 +313,8 @@ class ExactlyKBernoulli(Distribution):
 
     def _odds(self, problem) -> "_OddsTerms":
         """Zeros carrying the derivatives in ``probs`` at exact 0 and 1 (``_odds_terms``)."""
-        size = min(self._table_size + 1, self.event_shape[0])
+        # Room for k_free + 2 ones: the second-order terms' coefficients.
+        size = min(self._table_size + 2, self.event_shape[0])
         return _odds_terms(self.probs, self.logits, problem, size)
 
     def _centred_logits(self, parts) -> jax.Array:
@@ -526,8 +493,8 @@ class ExactlyKBernoulli(Distribution):
         where the constraint is impossible. Near the mode, ``log P`` is only about
         ``-log(n) / 2`` while its parts are about n / 3: its tables are float64 whatever the
         logits' dtype when x64 is on; with x64 off they are float32 and the parts are
-        subtracted as error-free float32 pairs (``kernels.log_constraint_prob_value``;
-        plainly rounded they gave 3.7e-5 relative at n = 1e4)."""
+        subtracted as error-free float32 pairs (``kernels.log_constraint_prob_value``), which
+        plain rounding would leave with a relative error of up to ``n eps``."""
         problem = self._problem
         parts = self._parts(problem)
         wide_logits = problem.logits.astype(kernels.wide_dtype(problem.logits.dtype))
@@ -539,6 +506,9 @@ class ExactlyKBernoulli(Distribution):
         return _log_constraint_prob(self.logits, log_norm, exact, problem)
 
     def expand(self, batch_shape) -> "ExactlyKBernoulli":
+        """A view of this distribution with batch shape ``batch_shape`` (an instance of the
+        same class whose parameters are broadcast, not an ``ExpandedDistribution``). Raises
+        ``ValueError`` where the current batch shape does not broadcast to ``batch_shape``."""
         batch_shape = tuple(batch_shape)
         if batch_shape == self.batch_shape:
             return self
@@ -602,244 +572,3 @@ def _kl_exactly_k_bernoulli(p: ExactlyKBernoulli, q: ExactlyKBernoulli) -> jax.A
         p_problem,
         q_problem,
     )
-
-
-# The distribution's glue around the kernels, as small jitted pure functions: in eager use
-# every JAX operation compiles once per shape, and one compilation for a dozen operations
-# is about ten times cheaper. The kernels stay separate calls so that their (larger)
-# compilations are shared between the methods.
-
-
-class _FreeProblem(NamedTuple):
-    """The kernels' problem: forced-on variables set to -inf and subtracted from k, k clamped
-    into the feasible range (``infeasible`` marks where it was not), and the batch elements
-    with a single k-hot vector in the support."""
-
-    logits: jax.Array
-    k: jax.Array
-    infeasible: jax.Array
-    deterministic: jax.Array
-
-
-@partial(jax.jit, static_argnames="bound")
-def _free_problem(logits: jax.Array, k: jax.Array, bound: int) -> _FreeProblem:
-    """``bound``: the largest valid k, ``min(n, k_max)``. A k outside ``0..bound`` or not a
-    whole number (possible only when traced: concrete ones are checked) is infeasible, and
-    the kernels get k = 0 there, which every table size holds."""
-    valid = (k >= 0) & (k <= bound)
-    if jnp.issubdtype(k.dtype, jnp.floating):
-        valid = valid & (k == jnp.floor(k))
-    k = jnp.where(valid, k, 0).astype(jnp.int32)
-    forced_on = logits == jnp.inf
-    num_free = kernels.count(jnp.isfinite(logits))
-    k_free = k - kernels.count(forced_on).astype(k.dtype)
-    infeasible = ~valid | (k_free < 0) | (k_free > num_free)
-    k_free = jnp.clip(k_free, 0, num_free).astype(k.dtype)
-    deterministic = (k_free == 0) | (k_free == num_free)
-    return _FreeProblem(jnp.where(forced_on, -jnp.inf, logits), k_free, infeasible, deterministic)
-
-
-def _finite_part(logits: jax.Array) -> jax.Array:
-    return jnp.where(jnp.isfinite(logits), logits, 0.0)
-
-
-def _logits_from_probs(probs: jax.Array) -> jax.Array:
-    """Exact 0 and 1 map to -inf and +inf, invalid probs to NaN. The log is taken of
-    interior probs only (the other branch of the where gets 1/2): log(0)'s infinite
-    derivative times a zero cotangent would be NaN. The derivative at an exact 0 or 1 is
-    supplied by ``_odds_terms`` instead."""
-    interior = (probs > 0) & (probs < 1)
-    safe = jnp.where(interior, probs, 0.5)
-    edge = jnp.where(probs == 0, -jnp.inf, jnp.where(probs == 1, jnp.inf, jnp.nan))
-    return jnp.where(interior, jnp.log(safe) - jnp.log1p(-safe), edge.astype(probs.dtype))
-
-
-@jax.jit
-def _centred(logits: jax.Array, tilt: jax.Array) -> jax.Array:
-    """The logits plus the tilt (infinities kept). In a formula used for its gradient only
-    (``theta . mu``, with ``sum mu = k`` fixed), adding a constant per row changes nothing in
-    exact arithmetic; in floating point it keeps the products ``theta_j d mu_j`` as small as
-    the tilted logits, where a shared offset (every logit near 1e6) would make them cancel
-    to a fraction of the offset's rounding."""
-    return logits + tilt.astype(logits.dtype)[..., None]
-
-
-class _OddsTerms(NamedTuple):
-    """First-order terms that give the derivatives in ``probs`` at exact 0 and 1, where the
-    logits are infinite and the chain rule through them would be ``0 * inf``. Every quantity
-    is a rational function of the odds ``w_i = p_i / (1 - p_i)`` near ``w_i = 0`` (and of
-    ``1 / w_i`` near ``p_i = 1``), with ``dw/dp = 1`` at ``p = 0`` and ``d(1/w)/dp = -1`` at
-    ``p = 1``: the one-sided derivatives are those of
-
-        log Z += r_- sum_{p_i = 0} dp_i - r_+ sum_{p_i = 1} dp_i,
-        mu_j  += r_- (M_-j - mu_j) sum_{p_i = 0} dp_i - r_+ (M_+j - mu_j) sum_{p_i = 1} dp_i
-                 + (r_- [p_j = 0] + r_+ [p_j = 1]) dp_j,
-
-    with ``Z`` the normaliser over the free variables (``k_free`` ones among them),
-    ``r_- = e_{k_free - 1} / e_{k_free}`` and ``M_-`` the marginals with one fewer one,
-    ``r_+ = e_{k_free + 1} / e_{k_free}`` and ``M_+`` with one more (0 where the count is
-    out of range). The fields are zeros carrying these derivatives (a ``custom_jvp``: the
-    extra kernels run only under differentiation; coefficients held to the dtype's finite
-    range). ``softplus``: the constraint probability's extra term, ``d(-sum softplus)`` over
-    the forced variables."""
-
-    log_normalizer: jax.Array
-    marginals: jax.Array
-    softplus: jax.Array
-
-
-@partial(jax.custom_jvp, nondiff_argnums=(3,))
-def _odds_terms(probs, logits, problem: "_FreeProblem", size: int) -> _OddsTerms:
-    zeros = jnp.zeros_like(logits)
-    return _OddsTerms(zeros.sum(-1), zeros, zeros.sum(-1))
-
-
-@_odds_terms.defjvp
-def _odds_terms_jvp(size, primals, tangents):
-    probs, logits, problem = primals
-    d_probs = tangents[0]
-    out = _odds_terms(probs, logits, problem, size)
-    k_free = problem.k
-    num_free = kernels.count(jnp.isfinite(problem.logits)).astype(k_free.dtype)
-    # Differentiable coefficients (log_normalizer's derivative is the marginals), so that
-    # mixed second derivatives with an interior prob are right.
-    log_norm = kernels.log_normalizer(problem.logits, k_free, size)
-    mu = _complete_selection(kernels.marginals(problem.logits, k_free, size), logits, problem)
-    feasible = ~problem.infeasible
-    dtype = logits.dtype
-    largest = float(jnp.finfo(dtype).max)
-    ratios, changes = [], []
-    for step, possible in ((-1, k_free >= 1), (1, k_free + 1 <= num_free)):
-        k = jnp.where(possible, k_free + step, k_free)
-        log_ratio = kernels.log_normalizer(problem.logits, k, size) - log_norm
-        log_ratio = jnp.where(possible & feasible, log_ratio, -jnp.inf)
-        ratio = jnp.exp(log_ratio).astype(dtype)
-        ratio = jnp.minimum(ratio, largest)[..., None]
-        neighbour = _complete_selection(
-            kernels.marginals(problem.logits, k, size), logits, problem._replace(k=k)
-        )
-        ratios.append(ratio)
-        changes.append(jnp.nan_to_num(ratio * (neighbour - mu), nan=0.0))
-    (r_minus, r_plus), (change_minus, change_plus) = ratios, changes
-    d_off = jnp.where(probs == 0, d_probs, 0.0)
-    d_on = jnp.where(probs == 1, d_probs, 0.0)
-    sum_off, sum_on = d_off.sum(-1, keepdims=True), d_on.sum(-1, keepdims=True)
-    marginals = sum_off * change_minus - sum_on * change_plus + r_minus * d_off + r_plus * d_on
-    tangent = _OddsTerms(
-        (sum_off * r_minus - sum_on * r_plus)[..., 0], marginals, (sum_on - sum_off)[..., 0]
-    )
-    return out, jax.tree_util.tree_map(lambda t: t.astype(dtype), tangent)
-
-
-def _unbounded(probs, problem: "_FreeProblem") -> jax.Array:
-    """Per variable: +1 where p = 0 and the variable could be switched on, -1 where p = 1
-    and it could be switched off, else 0: the entropy's one-sided derivative there is this
-    sign times infinity (a ``-w log w`` term, as for a Bernoulli)."""
-    num_free = kernels.count(jnp.isfinite(problem.logits)).astype(problem.k.dtype)
-    feasible = ~problem.infeasible
-    can_on = ((problem.k >= 1) & feasible)[..., None]
-    can_off = ((problem.k + 1 <= num_free) & feasible)[..., None]
-    direction = jnp.where((probs == 0) & can_on, 1.0, 0.0)
-    return jnp.where((probs == 1) & can_off, -1.0, direction).astype(probs.dtype)
-
-
-def _infinite_slope(probs, direction):
-    """Zero (shape ``batch``) whose derivative in ``probs`` is ``direction`` times the
-    dtype's largest finite number, standing for an infinite one-sided derivative: a true
-    infinity would turn a zero cotangent (another output of a Jacobian, a masked entry)
-    into NaN."""
-    largest = float(jnp.finfo(probs.dtype).max)
-    return ((probs - lax.stop_gradient(probs)) * (direction * largest)).sum(-1)
-
-
-def _value_with_gradient_of(value: jax.Array, formula: jax.Array) -> jax.Array:
-    """``value`` (computed accurately, without gradient) carrying the gradient of
-    ``formula``, an expression equal to it in exact arithmetic but with rounding error in
-    floating point; where the formula is not finite, ``value`` alone."""
-    difference = formula - lax.stop_gradient(formula)
-    return value + jnp.where(jnp.isfinite(formula), difference, 0.0)
-
-
-def _complete(free, logits, problem: _FreeProblem, forced_on, forced_off, none_left):
-    # Deterministic entries get exact values (and zero gradient, which is their derivative).
-    free_mask = jnp.isfinite(logits)
-    value = jnp.where((problem.k == kernels.count(free_mask))[..., None], 1.0 - none_left, free)
-    value = jnp.where((problem.k == 0)[..., None], none_left, value)
-    value = jnp.where(free_mask, value, jnp.where(logits == jnp.inf, forced_on, forced_off))
-    value = jnp.where(problem.infeasible[..., None], jnp.nan, value)
-    return value.astype(logits.dtype)
-
-
-@jax.jit
-def _complete_selection(free, logits, problem: _FreeProblem):
-    """Marginals, or draws (which carry the free marginals' derivative,
-    ``kernels.sample_straight_through``), of the full problem from the free one's: forced
-    variables are 1 or 0, and deterministic rows their only k-hot vector, constants."""
-    return _complete(free, logits, problem, 1.0, 0.0, 0.0)
-
-
-@jax.jit
-def _complete_pair(free_mu, free_complement, logits, problem: _FreeProblem):
-    mu = _complete(free_mu, logits, problem, 1.0, 0.0, 0.0)
-    return mu, _complete(free_complement, logits, problem, 0.0, 1.0, 1.0)
-
-
-@jax.jit
-def _mode(logits: jax.Array, k: jax.Array) -> jax.Array:
-    order = jnp.argsort(-logits, axis=-1, stable=True)
-    ranks = jnp.argsort(order, axis=-1, stable=True)
-    return (ranks < k[..., None]).astype(logits.dtype)
-
-
-@jax.jit
-def _in_support(logits, k, value) -> jax.Array:
-    """Whether ``value`` is k-hot with a 1 at every ``+inf`` logit and a 0 at every
-    ``-inf`` one (``KHot``'s test and the infinite logits' in one count, see
-    ``kernels.count``)."""
-    on = value == 1
-    off = value == 0
-    wrong = ~(on | off) | (on & (logits == -jnp.inf)) | (off & (logits == jnp.inf))
-    return (kernels.count(wrong) == 0) & (value.sum(-1) == k)
-
-
-@jax.jit
-def _log_prob(logits, k, value, log_normalizer, exact, problem) -> jax.Array:
-    in_support = _in_support(logits, k, value)
-    dtype = jnp.result_type(logits, value)
-    exact = jnp.where(problem.deterministic, 0.0, exact).astype(dtype)
-    formula = (_finite_part(logits) * value).sum(-1) - log_normalizer
-    score = _value_with_gradient_of(exact, formula)
-    possible = in_support & ~problem.infeasible
-    return jnp.where(possible, score, -jnp.inf)
-
-
-@jax.jit
-def _entropy(logits, log_normalizer, mu, exact, problem) -> jax.Array:
-    exact = jnp.where(problem.deterministic, 0.0, exact).astype(logits.dtype)
-    formula = log_normalizer - (_finite_part(logits) * mu).sum(-1)
-    entropy = _value_with_gradient_of(exact, formula)
-    return jnp.where(problem.infeasible, jnp.nan, entropy)
-
-
-@jax.jit
-def _log_constraint_prob(logits, log_normalizer, exact, problem) -> jax.Array:
-    softplus = jnp.where(jnp.isfinite(logits), _softplus(_finite_part(logits)), 0.0)
-    formula = log_normalizer - softplus.sum(-1)
-    value = _value_with_gradient_of(exact.astype(logits.dtype), formula)
-    return jnp.where(problem.infeasible, -jnp.inf, value)
-
-
-@jax.jit
-def _kl(p_logits, p_mu, p_log_normalizer, q_logits, q_log_normalizer, exact, p_problem, q_problem):
-    cross = (p_mu * _finite_part(q_logits)).sum(-1)
-    own = (p_mu * _finite_part(p_logits)).sum(-1)
-    formula = own - cross - p_log_normalizer + q_log_normalizer
-    both_deterministic = p_problem.deterministic & q_problem.deterministic
-    exact = jnp.where(both_deterministic, 0.0, exact).astype(formula.dtype)
-    kl = _value_with_gradient_of(exact, formula)
-    # (The centred logits keep the infinities of the logits.)
-    forbidden = q_logits == -jnp.inf
-    required = q_logits == jnp.inf
-    escapes = kernels.count(((p_mu > 0) & forbidden) | ((p_mu < 1) & required)) > 0
-    kl = jnp.where(escapes, jnp.inf, kl)
-    return jnp.where(p_problem.infeasible | q_problem.infeasible, jnp.nan, kl)

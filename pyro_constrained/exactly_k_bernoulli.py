@@ -9,9 +9,7 @@ validation, shapes and the framework's protocols.
 """
 
 import math
-import warnings
-from contextlib import contextmanager, nullcontext
-from typing import NamedTuple
+from contextlib import nullcontext
 
 import torch
 from pyro.distributions import Bernoulli, TorchDistribution
@@ -21,7 +19,6 @@ from torch.distributions.utils import lazy_property
 
 from constrained_ppl.arguments import (
     DISCRETE_GRAD_ESTIMATORS,
-    check_count,
     check_grad_estimator,
     check_static_bound,
     check_value_shape,
@@ -29,137 +26,25 @@ from constrained_ppl.arguments import (
 )
 from constrained_ppl.enumeration import check_support_size, k_hot_table, single_count
 from pyro_constrained import exactly_k_kernels as kernels
+from pyro_constrained._ekb_arguments import (
+    KHot,
+    _ArgConstraints,
+    _as_k,
+    _ExtendedReal,
+    _logits_from_probs,
+    _static_under_trace,
+)
+from pyro_constrained._ekb_terms import (
+    _centred,
+    _infinite_slope,
+    _OddsTangents,
+    _softplus,
+    _value_with_gradient_of,
+)
+from pyro_constrained._ekb_terms import _kl_exactly_k_bernoulli as _kl
 from pyro_constrained._repr import parameters_repr
 
 __all__ = ["ExactlyKBernoulli", "KHot"]
-
-
-def _softplus(x: torch.Tensor) -> torch.Tensor:
-    # F.softplus is the identity above a threshold (20 by default): off by up to 2e-9, not
-    # float64-exact. relu(x) + log1p(exp(-|x|)) is exact but its autograd derivative is
-    # wrong at x = 0 (the kinks of relu and |x| do not cancel there). logaddexp is exact,
-    # and its derivatives are right for the finite inputs it gets here.
-    return torch.logaddexp(x, torch.zeros_like(x))
-
-
-class _ExtendedReal(constraints.Constraint):
-    """The extended real line [-inf, +inf]: anything but NaN (infinite logits force a
-    variable off or on)."""
-
-    def check(self, value: torch.Tensor) -> torch.Tensor:
-        return value == value
-
-
-class KHot(constraints.Constraint):
-    """0/1 vectors (last dimension) with exactly ``k`` ones; ``k`` broadcasts with the batch."""
-
-    is_discrete = True
-    event_dim = 1
-
-    def __init__(self, k: torch.Tensor):
-        self.k = k
-        super().__init__()
-
-    def check(self, value: torch.Tensor) -> torch.Tensor:
-        binary = ((value == 0) | (value == 1)).all(-1)
-        # Counted as integers: cast to a boolean value's dtype, k = 2 would become True.
-        return binary & (value.sum(-1) == self.k)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(k={self.k})"
-
-
-def _as_k(k, logits: torch.Tensor) -> torch.Tensor:
-    """``k`` as a long tensor, after the count rule of ``check_count`` (an int, an integer
-    tensor, or whole-number floats; 3.5, bools, complex numbers and NaN are a
-    ``ValueError``). Torch values are always concrete, so a float k is checked entry by
-    entry and its whole numbers converted exactly."""
-    check_count(k, concrete=True, name="k")
-    if isinstance(k, torch.Tensor):
-        return k.to(device=logits.device, dtype=torch.long)
-    with _static_under_trace():  # a Python number is a constant of the trace
-        return torch.as_tensor(k, device=logits.device).to(torch.long)
-
-
-@contextmanager
-def _static_under_trace():
-    """Silences torch's TracerWarnings around code that reads only static information
-    (sizes, which a trace fixes, and a ``k`` given as Python numbers, a constant of the
-    trace). Python branches on values that can change between calls (the logits) must not
-    be inside: under ``torch.jit.trace`` such code takes branch-free forms instead."""
-    if not torch.jit.is_tracing():
-        yield
-        return
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
-        yield
-
-
-def _value_with_gradient_of(value: torch.Tensor, formula: torch.Tensor) -> torch.Tensor:
-    """``value`` (computed accurately, without gradient) carrying the gradient of
-    ``formula``, an expression equal to it in exact arithmetic but with rounding error in
-    floating point; where the formula is not finite, ``value`` alone."""
-    difference = formula - formula.detach()
-    return value + torch.where(torch.isfinite(formula), difference, 0.0)
-
-
-def _logits_from_probs(probs: torch.Tensor) -> torch.Tensor:
-    # Exact 0 and 1 map to -inf and +inf (torch's probs_to_logits clamps them instead), and
-    # invalid probs to NaN. The log is taken of interior probs only (the other branch of
-    # the where gets 1/2): log(0)'s infinite derivative times a zero cotangent would be NaN.
-    # The derivative at an exact 0 or 1 is supplied by _OddsTangents instead.
-    interior = (probs > 0) & (probs < 1)
-    safe = torch.where(interior, probs, 0.5)
-    logits = torch.log(safe) - torch.log1p(-safe)
-    edge = torch.where(probs == 0, -torch.inf, torch.where(probs == 1, torch.inf, torch.nan))
-    return torch.where(interior, logits, edge.to(logits.dtype))
-
-
-class _OddsTangents(NamedTuple):
-    """First-order terms that give the derivatives in ``probs`` at exact 0 and 1, where the
-    logits are infinite and the chain rule through them would be ``0 * inf``. Every quantity
-    is a rational function of the odds ``w_i = p_i / (1 - p_i)`` near ``w_i = 0`` (and of
-    ``1 / w_i`` near ``p_i = 1``), with ``dw/dp = 1`` at ``p = 0`` and ``d(1/w)/dp = -1`` at
-    ``p = 1``: the one-sided derivatives are those of
-
-        log Z += r_- sum_{p_i = 0} dp_i - r_+ sum_{p_i = 1} dp_i,
-        mu_j  += r_- (M_-j - mu_j) sum_{p_i = 0} dp_i - r_+ (M_+j - mu_j) sum_{p_i = 1} dp_i
-                 + (r_- [p_j = 0] + r_+ [p_j = 1]) dp_j,
-
-    with ``Z`` the normaliser over the free variables (``k_free`` ones among them),
-    ``r_- = e_{k_free - 1} / e_{k_free}`` and ``M_-`` the marginals with one fewer one,
-    ``r_+ = e_{k_free + 1} / e_{k_free}`` and ``M_+`` with one more (0 where the count is
-    out of range). The fields are zero-valued tensors carrying these derivatives (their
-    coefficients held to the dtype's finite range, so that a value is never ``0 * inf``)."""
-
-    log_normalizer: torch.Tensor
-    marginals: torch.Tensor
-    # The constraint probability's extra term: d(-sum softplus) over the forced variables.
-    softplus: torch.Tensor
-    # Per variable: +1 where p = 0 and the variable could be switched on (r_- > 0), -1
-    # where p = 1 and it could be switched off (r_+ > 0), else 0: the entropy's one-sided
-    # derivative there is this sign times infinity (a -w log w term, as for a Bernoulli),
-    # given as the dtype's largest finite number (see _infinite_slope).
-    unbounded: torch.Tensor
-    probs: torch.Tensor
-
-
-def _infinite_slope(probs: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
-    """Zero (shape ``batch``) whose derivative in ``probs`` is ``direction`` times the
-    dtype's largest finite number, standing for an infinite one-sided derivative: a true
-    infinity would turn a zero incoming gradient into NaN."""
-    largest = torch.finfo(probs.dtype).max
-    return ((probs - probs.detach()) * (direction * largest)).sum(-1)
-
-
-def _centred(logits: torch.Tensor, finite: torch.Tensor, tilt: torch.Tensor) -> torch.Tensor:
-    """The finite logits plus the tilt (0 elsewhere). In a formula used for its gradient
-    only (``theta . mu``, with ``sum mu = k`` fixed), adding a constant per row changes
-    nothing in exact arithmetic; in floating point it keeps the products ``theta_j
-    d mu_j`` as small as the tilted logits, where a shared offset (every logit near 1e6)
-    would make them cancel to a fraction of the offset's rounding."""
-    shifted = logits + tilt.to(logits.dtype)[..., None]
-    return torch.where(finite, shifted, torch.zeros_like(shifted))
 
 
 class ExactlyKBernoulli(TorchDistribution):
@@ -243,11 +128,12 @@ class ExactlyKBernoulli(TorchDistribution):
     # and the error should name what the caller passed.
     # The last axis of logits and probs is the event (event_dim 1), as torch's
     # test_params_constraints and NumPyro's promote_batch_shape read it.
-    arg_constraints = {
-        "probs": constraints.independent(constraints.unit_interval, 1),
-        "logits": constraints.independent(_ExtendedReal(), 1),
-        "k": constraints.nonnegative_integer,
-    }
+    # k: integer_interval(0, min(n, k_max)) on an instance (see _ArgConstraints).
+    arg_constraints = _ArgConstraints(
+        probs=constraints.independent(constraints.unit_interval, 1),
+        logits=constraints.independent(_ExtendedReal(), 1),
+        k=constraints.nonnegative_integer,
+    )
     has_rsample = True
     has_enumerate_support = True
     #: The largest support that `enumerate_support` builds (a ``ValueError`` beyond it).
@@ -414,23 +300,18 @@ class ExactlyKBernoulli(TorchDistribution):
         if not torch.jit.is_tracing() and not bool((off | on).any()):
             return None
         # Differentiable coefficients (log_normalizer's gradient is the marginals), so that
-        # mixed second derivatives with an interior prob are right.
-        logits, k_free, num_free = self._kernel_logits, self._k_free, self._finite.sum(-1)
-        size = min(self._table_size + 1, self.event_shape[0])
-        feasible = ~self._infeasible
-        ratios, neighbours = [], []
-        for step, possible in ((-1, k_free >= 1), (1, k_free + 1 <= num_free)):
-            k = torch.where(possible, k_free + step, k_free)
-            log_ratio = kernels.log_normalizer(logits, k, size) - kernels.log_normalizer(
-                logits, k_free, size, self._normalizer_parts
-            )
-            log_ratio = torch.where(possible & feasible, log_ratio, -torch.inf)
-            ratios.append(log_ratio.exp())
-            free = kernels.marginals(logits, k, size) if size else torch.zeros_like(logits)
-            neighbours.append(self._complete(free, 1.0, 0.0, 0.0, k_free=k))
-        dtype = self.logits.dtype
-        largest = torch.finfo(dtype).max
-        r_minus, r_plus = (r.to(dtype).clamp(max=largest)[..., None] for r in ratios)
+        # mixed second derivatives with an interior prob are right. Tables with room for
+        # k_free + 2 ones: the second-order terms' coefficients.
+        size = min(self._table_size + 2, self.event_shape[0])
+        r, neighbours = {}, []
+        for step in (-2, -1, 1, 2):
+            r[step], k = self._count_ratio(step, size)
+            if abs(step) == 1:
+                free = kernels.marginals(self._kernel_logits, k, size) if size else None
+                free = torch.zeros_like(self.logits) if free is None else free
+                neighbours.append(self._complete(free, 1.0, 0.0, 0.0, k_free=k))
+        largest = torch.finfo(self.logits.dtype).max
+        r_minus, r_plus = r[-1][..., None], r[1][..., None]
         mu = self._free_marginal_pair[0]
         d_off = torch.where(off, probs - probs.detach(), 0.0)
         d_on = torch.where(on, probs - probs.detach(), 0.0)
@@ -439,14 +320,31 @@ class ExactlyKBernoulli(TorchDistribution):
         change_plus = torch.nan_to_num((r_plus * (neighbours[1] - mu)), 0.0, largest, -largest)
         marginals = sum_off * change_minus - sum_on * change_plus + r_minus * d_off + r_plus * d_on
         direction = torch.where(off & (r_minus > 0), 1.0, 0.0)
-        direction = torch.where(on & (r_plus > 0), -1.0, direction).to(dtype)
-        return _OddsTangents(
-            (sum_off * r_minus - sum_on * r_plus)[..., 0],
-            marginals,
-            (sum_on - sum_off)[..., 0],
-            direction,
-            probs,
+        direction = torch.where(on & (r_plus > 0), -1.0, direction).to(self.logits.dtype)
+        # The odds as real functions of the probs (0 at the point): second derivatives too.
+        at_zero = torch.where(off, probs, 0.0)
+        at_one = torch.where(on, probs, 1.0)
+        w, v = at_zero / (1 - at_zero), (1 - at_one) / at_one
+        sum_w, sum_v = w.sum(-1), v.sum(-1)
+        pairs_w = (sum_w**2 - (w**2).sum(-1)) / 2
+        pairs_v = (sum_v**2 - (v**2).sum(-1)) / 2
+        ratio = r[-1] * sum_w + r[1] * sum_v + r[-2] * pairs_w + r[2] * pairs_v + sum_w * sum_v
+        ratio = torch.where(self._infeasible, 0.0, ratio)
+        softplus = (torch.log1p(-at_zero) + torch.log(at_one)).sum(-1)
+        return _OddsTangents(torch.log1p(ratio), marginals, softplus, direction, probs)
+
+    def _count_ratio(self, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``e_{k_free + step} / e_{k_free}`` over the free variables (0 where that count is
+        impossible), at most the dtype's largest number, and the count used."""
+        k_free, num_free = self._k_free, self._finite.sum(-1)
+        possible = (k_free + step >= 0) & (k_free + step <= num_free) & ~self._infeasible
+        k = torch.where(possible, k_free + step, k_free)
+        logits = self._kernel_logits
+        log_ratio = kernels.log_normalizer(logits, k, size) - kernels.log_normalizer(
+            logits, k_free, size, self._normalizer_parts
         )
+        ratio = torch.where(possible, log_ratio, -torch.inf).exp().to(self.logits.dtype)
+        return ratio.clamp(max=torch.finfo(self.logits.dtype).max), k
 
     @lazy_property
     def _deterministic(self) -> torch.Tensor:
@@ -462,7 +360,9 @@ class ExactlyKBernoulli(TorchDistribution):
         all_on = (k_free == num_free)[..., None]
         value = torch.where(all_on, 1.0 - none_left, free)
         value = torch.where((k_free == 0)[..., None], none_left, value)
-        constant = torch.where(self._forced_on, forced_on, forced_off)
+        # Of the logits' dtype: a where between two Python numbers is a tensor of torch's
+        # default dtype, which would promote float32 results under a float64 default.
+        constant = torch.where(self._forced_on, torch.full_like(value, forced_on), forced_off)
         value = torch.where(self._finite, value, constant)
         return torch.where(self._infeasible[..., None], torch.nan, value)
 
@@ -641,7 +541,7 @@ class ExactlyKBernoulli(TorchDistribution):
         that difference's cancellation (``kernels.log_constraint_prob_value``); ``-inf``
         where the constraint is impossible. Its tables are float64 whatever the logits'
         dtype: near the mode, ``log P`` is only about ``-log(n) / 2``, and float32 tables
-        would leave it a relative error of up to ``n eps`` (measured: 3e-5 at n = 1e4)."""
+        would leave it a relative error of up to ``n eps``."""
         parts = self._normalizer_parts
         if self.logits.dtype != torch.float64:
             wide_logits = self._kernel_logits.detach().to(torch.float64)
@@ -655,8 +555,19 @@ class ExactlyKBernoulli(TorchDistribution):
         return torch.where(self._infeasible, -torch.inf, value)
 
     def expand(self, batch_shape, _instance=None) -> "ExactlyKBernoulli":
+        """A view of this distribution with batch shape ``batch_shape`` (an instance of the
+        same class whose parameters are broadcast, not an ``ExpandedDistribution``). Raises
+        ``ValueError`` where the current batch shape does not broadcast to ``batch_shape``."""
         new = self._get_checked_instance(ExactlyKBernoulli, _instance)
         batch_shape = torch.Size(batch_shape)
+        try:
+            if torch.broadcast_shapes(self.batch_shape, batch_shape) != batch_shape:
+                raise RuntimeError
+        except RuntimeError as error:
+            raise ValueError(
+                f"Cannot broadcast distribution of shape {tuple(self.batch_shape)} to shape "
+                f"{tuple(batch_shape)}"
+            ) from error
         new.logits = self.logits.expand(batch_shape + self.event_shape)
         if "probs" in self.__dict__:
             new.probs = self.probs.expand(batch_shape + self.event_shape)
@@ -684,38 +595,5 @@ class ExactlyKBernoulli(TorchDistribution):
         )
 
 
-@register_kl(ExactlyKBernoulli, ExactlyKBernoulli)
-def _kl_exactly_k_bernoulli(p: ExactlyKBernoulli, q: ExactlyKBernoulli) -> torch.Tensor:
-    """``KL(p || q) = mu_p . (theta_p - theta_q) - log e_k(p) + log e_k(q)`` over finite
-    logits; ``+inf`` where p puts mass on a vector that q forbids. Evaluated as the
-    difference of two cross-entropies of the tilted logits (``kernels.cross_entropy_value``),
-    exactly 0 for p = q and exact for logits of any size; the gradient is the formula's."""
-    with _static_under_trace():  # sizes, which a trace fixes
-        same_n = p.event_shape == q.event_shape
-    if not same_n:
-        raise ValueError(f"KL needs the same n, got {p.event_shape[0]} and {q.event_shape[0]}")
-    constant_k = p._k_is_constant and q._k_is_constant
-    with _static_under_trace() if constant_k else nullcontext():
-        same_k = torch.equal(*torch.broadcast_tensors(p.k, q.k))
-    if not same_k:
-        raise ValueError("KL between ExactlyKBernoulli needs the same k")
-    mu, complement = p._marginal_pair
-    cross = kernels.cross_entropy_value(q._kernel_logits, q._normalizer_parts, mu, complement)
-    own = kernels.cross_entropy_value(p._kernel_logits, p._normalizer_parts, mu, complement)
-    exact = torch.where(p._deterministic & q._deterministic, 0.0, cross - own)
-    p_centred = _centred(p.logits, p._finite, p._normalizer_parts.tilt)
-    q_centred = _centred(q.logits, q._finite, q._normalizer_parts.tilt)
-    formula = (mu * p_centred).sum(-1) - (mu * q_centred).sum(-1)
-    formula = formula - p._log_normalizer + q._log_normalizer
-    if p._odds_tangents is not None:
-        # -H(p)'s infinite slope, or +inf where q has the same infinite logit (moving p's
-        # mass onto a vector q forbids makes the KL infinite).
-        same = torch.where(q.logits == p.logits, -1.0, 1.0).to(p.logits.dtype)
-        direction = -p._odds_tangents.unbounded * same
-        formula = formula + _infinite_slope(p._odds_tangents.probs, direction)
-    kl = _value_with_gradient_of(exact.to(formula.dtype), formula)
-    forbidden = q.logits == -torch.inf
-    required = q._forced_on
-    escapes = ((mu > 0) & forbidden).any(-1) | ((mu < 1) & required).any(-1)
-    kl = torch.where(escapes, torch.inf, kl)
-    return torch.where(p._infeasible | q._infeasible, torch.nan, kl)
+# The KL lives with the other formulas; registered here, where the class is defined.
+register_kl(ExactlyKBernoulli, ExactlyKBernoulli)(_kl)

@@ -742,3 +742,62 @@ def test_repr_names_each_parameter_by_value_or_shape():
     seen = []
     jax.jit(lambda x: seen.append(repr(ExactlyKBernoulli(x, k=1))) or x)(jnp.array([0.25]))
     assert seen == ["ExactlyKBernoulli(logits: (1,), k: 1)"]
+
+
+# ----------------------------------------------------------------------------------------
+# Issue 34: every float output keeps the logits' dtype, float32 also with x64 off (the
+# [user-config] variant); float64 with x64 on is the rest of this file. One case (probs
+# with an exact 0 and 1, a per-batch k): each new shape costs JAX compilations.
+
+
+@pytest.mark.parametrize("dtype", ["float32"])
+def test_float_outputs_keep_the_dtype_of_the_parameters(dtype):
+    logits = jnp.array([[INF, 0.3, -INF, 1.0, -0.5], [0.2, -1.0, 2.0, INF, 0.0]], dtype=dtype)
+    k = np.array([2, 3])
+    probs = jax.nn.sigmoid(logits)
+    d = ExactlyKBernoulli(probs=probs, k=k)
+    q = ExactlyKBernoulli(logits=logits + 0.5, k=k)
+    z = d.sample(_key())
+    outputs = {
+        "log_prob": d.log_prob(z),
+        "sample": z,
+        "rsample": d.rsample(_key(1)),
+        "mean": d.mean,
+        "variance": d.variance,
+        "mode": d.mode,
+        "entropy": d.entropy(),
+        "kl": kl_divergence(d, q),
+        "marginals": d.marginals.probs,
+        "log_constraint_prob": d.log_constraint_prob(),
+        "expected_l1_loss": expected_l1_loss(d, z),
+        "expected_l2_loss": expected_l2_loss(d, z),
+        "grad": jax.grad(lambda p: ExactlyKBernoulli(probs=p, k=k).entropy().sum())(probs),
+    }
+    wrong = {name: value.dtype for name, value in outputs.items() if value.dtype != dtype}
+    assert not wrong
+
+
+@pytest.mark.parametrize("k_max", [None, 2])
+def test_declared_k_constraint_is_the_checked_range(k_max):
+    # Issue 34: k was declared a nonnegative_integer while the constructor accepts 0..n
+    # (0..min(n, k_max)) only; every k the instance's declared constraint holds must be
+    # accepted with validation on, and every k outside it rejected by both.
+    logits = jnp.array([0.3, -1.0, 2.0, 0.5])
+    d = ExactlyKBernoulli(logits=logits, k=1, k_max=k_max)
+    declared = d.arg_constraints["k"]
+    assert declared.is_discrete and declared.event_dim == 0
+    feasible = declared.feasible_like(jnp.zeros(3, dtype=int))
+    assert bool(jnp.all(declared(feasible)))
+    ExactlyKBernoulli(logits=logits, k=feasible[0], k_max=k_max, validate_args=True)
+    for k in range(-2, 8):
+        if bool(declared(k)):
+            ExactlyKBernoulli(logits=logits, k=k, k_max=k_max, validate_args=True)
+        else:
+            with pytest.raises(ValueError, match="k must be"):
+                ExactlyKBernoulli(logits=logits, k=k, k_max=k_max, validate_args=True)
+    expected = list(range(0, 1 + (4 if k_max is None else k_max)))
+    assert [k for k in range(-2, 8) if bool(declared(k))] == expected
+    # The pytree round trip and expand keep the instance's declaration.
+    for other in (jax.tree_util.tree_map(lambda x: x, d), d.expand((2,))):
+        assert other.arg_constraints["k"].upper_bound == expected[-1]
+    assert ExactlyKBernoulli.arg_constraints["k"] is ndist.constraints.nonnegative_integer

@@ -549,3 +549,84 @@ def test_repr_names_each_parameter_by_value_or_shape():
     assert repr(ExactlyKBernoulli(torch.tensor([0.25]), k=1)) == (
         "ExactlyKBernoulli(logits: 0.25, k: 1)"
     )
+
+
+# ----------------------------------------------------------------------------------------
+# Issue 34: every float output keeps the logits' dtype, whatever torch's default dtype.
+
+
+def _float_outputs(d, q):
+    """Every floating-point output of ``d`` (``q``: a second distribution for the KL)."""
+    z = d.sample()
+    return {
+        "log_prob": d.log_prob(z),
+        "sample": z,
+        "rsample": d.rsample(),
+        "mean": d.mean,
+        "variance": d.variance,
+        "mode": d.mode,
+        "entropy": d.entropy(),
+        "kl": kl_divergence(d, q),
+        "marginals": d.marginals.probs,
+        "log_constraint_prob": d.log_constraint_prob(),
+        "expected_l1_loss": expected_l1_loss(d, z),
+        "expected_l2_loss": expected_l2_loss(d, z),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("k", [2, "per-batch"])
+@pytest.mark.parametrize("given", ["logits", "probs"])
+def test_float_outputs_keep_the_dtype_of_the_parameters(dtype, k, given):
+    # The other dtype as torch's default: a where between two Python numbers is a tensor of
+    # the default dtype, which promoted the marginals (and all built on them) to float64.
+    logits = torch.tensor([[INF, 0.3, -INF, 1.0, -0.5], [0.2, -1.0, 2.0, INF, 0.0]], dtype=dtype)
+    k = torch.tensor([2, 3]) if k == "per-batch" else k
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64 if dtype == torch.float32 else torch.float32)
+    try:
+        parameter = logits if given == "logits" else torch.sigmoid(logits)
+        d = ExactlyKBernoulli(**{given: parameter.requires_grad_()}, k=k)
+        q = ExactlyKBernoulli(logits=logits.detach() + 0.5, k=k)
+        outputs = _float_outputs(d, q)
+    finally:
+        torch.set_default_dtype(default)
+    wrong = {name: value.dtype for name, value in outputs.items() if value.dtype != dtype}
+    assert not wrong
+
+
+@pytest.mark.parametrize("k_max", [None, 2])
+def test_declared_k_constraint_is_the_checked_range(k_max):
+    # Issue 34: k was declared a nonnegative_integer while the constructor accepts 0..n
+    # (0..min(n, k_max)) only; every k the instance's declared constraint holds must be
+    # accepted with validation on, and every k outside it rejected by both.
+    logits = torch.tensor([0.3, -1.0, 2.0, 0.5])
+    declared = ExactlyKBernoulli(logits=logits, k=1, k_max=k_max).arg_constraints["k"]
+    assert declared.is_discrete and declared.event_dim == 0
+    for k in range(-2, 8):
+        holds = bool(declared.check(torch.tensor(k)))
+        if holds:
+            d = ExactlyKBernoulli(logits=logits, k=torch.tensor(k), k_max=k_max, validate_args=True)
+            assert d.arg_constraints["k"].check(d.k).all()
+        else:
+            with pytest.raises(ValueError, match="k must be"):
+                ExactlyKBernoulli(logits=logits, k=torch.tensor(k), k_max=k_max, validate_args=True)
+    assert [k for k in range(-2, 8) if bool(declared.check(torch.tensor(k)))] == list(
+        range(0, 1 + (4 if k_max is None else k_max))
+    )
+    # Read from the class (no n), the declaration is the looser nonnegative_integer.
+    assert (
+        ExactlyKBernoulli.arg_constraints["k"]
+        is torch.distributions.constraints.nonnegative_integer
+    )
+
+
+def test_impossible_expand_is_a_value_error():
+    d = ExactlyKBernoulli(logits=torch.zeros(2, 3), k=1)
+    for shape in ((3,), (2, 3), ()):
+        with pytest.raises(ValueError, match="Cannot broadcast distribution of shape"):
+            d.expand(shape)
+    assert d.expand((4, 2)).batch_shape == (4, 2)
+    assert "ExpandedDistribution" not in ExactlyKBernoulli.expand.__doc__.replace(
+        "not an ``ExpandedDistribution``", ""
+    )

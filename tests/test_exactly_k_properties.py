@@ -13,6 +13,7 @@ probabilities) and float64 ones to ``1e-10``; an error caused by lost mass (the 
 these tests were written against) is of order 1.
 """
 
+import itertools
 import math
 from functools import partial
 
@@ -291,36 +292,45 @@ def _gradients(framework: str, dtype: str, logits, q_logits, k: int, z, weights,
         )
         return {name: _numpy(value) for name, value in out.items()}
 
+    def array(x):
+        return jnp.asarray(np.asarray(x), dtype=getattr(jnp, dtype))
+
+    by_p, by_q = _jax_gradients(
+        array(logits), array(q_logits), array(z), array(weights), array(target), k=k
+    )
+    out = dict(zip(_JAX_GRADIENT_NAMES + ["kl_p"], by_p, strict=True))
+    out["kl_q"] = by_q[-1]
+    return {name: _numpy(value) for name, value in out.items()}
+
+
+_JAX_GRADIENT_NAMES = ["log_prob", "entropy", "log_constraint_prob", "mean", "variance", "l1", "l2"]
+
+
+@partial(jax.jit, static_argnames="k")
+def _jax_gradients(theta, other, z, weights, target, k: int):
+    """The Jacobian of every scalar in the logits of p (and q), as one program compiled once
+    per k and dtype and shared by the examples: eagerly, each example traced the kernels'
+    derivatives again (most of the test's time). The logits are traced, as under SVI; the
+    count k is a constant, as in eager use."""
     from numpyro.distributions.kl import kl_divergence
 
     from numpyro_constrained.losses import expected_l1_loss, expected_l2_loss
 
-    def make(theta):
-        return JaxExactlyKBernoulli(logits=theta, k=k)
-
-    def array(x):
-        return jnp.asarray(np.asarray(x), dtype=getattr(jnp, dtype))
-
-    functions = {
-        "log_prob": lambda d: d.log_prob(array(z)),
-        "entropy": lambda d: d.entropy(),
-        "log_constraint_prob": lambda d: d.log_constraint_prob(),
-        "mean": lambda d: (d.mean * array(weights)).sum(),
-        "variance": lambda d: (d.variance * array(weights)).sum(),
-        "l1": lambda d: expected_l1_loss(d, array(target)),
-        "l2": lambda d: expected_l2_loss(d, array(target)),
-    }
-
     def everything(theta, other):
-        p = make(theta)
-        return jnp.stack([functions[name](p) for name in names] + [kl_divergence(p, make(other))])
+        p = JaxExactlyKBernoulli(logits=theta, k=k)
+        values = {
+            "log_prob": p.log_prob(z),
+            "entropy": p.entropy(),
+            "log_constraint_prob": p.log_constraint_prob(),
+            "mean": (p.mean * weights).sum(),
+            "variance": (p.variance * weights).sum(),
+            "l1": expected_l1_loss(p, target),
+            "l2": expected_l2_loss(p, target),
+        }
+        q = JaxExactlyKBernoulli(logits=other, k=k)
+        return jnp.stack([values[name] for name in _JAX_GRADIENT_NAMES] + [kl_divergence(p, q)])
 
-    # One reverse pass for all the scalars (a Jacobian): each separate jax.grad traced and
-    # compiled the kernels' derivatives again, several times the test's cost.
-    by_p, by_q = jax.jacrev(everything, argnums=(0, 1))(array(logits), array(q_logits))
-    out = dict(zip(names + ["kl_p"], by_p, strict=True))
-    out["kl_q"] = by_q[-1]
-    return {name: _numpy(value) for name, value in out.items()}
+    return jax.jacrev(everything, argnums=(0, 1))(theta, other)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -607,3 +617,73 @@ def test_boolean_k_hot_values_are_in_the_support(framework):
         assert not bool(d.support(jnp.asarray(value[1])))
         with pytest.warns(UserWarning, match="Out-of-support"):
             assert float(d.log_prob(jnp.asarray(value[1]))) == -np.inf
+
+
+def _polynomial_log_pmf_and_normalizer(probs: np.ndarray, k: int, z: np.ndarray):
+    """(log p(z), log P(sum = k)) by enumeration of the k-hot vectors, in the probs
+    themselves: ratios of polynomials, analytic across 0 and 1 (as long as z has no 1 at a
+    0 and no 0 at a 1), so central differences there give the one-sided derivatives."""
+    n = probs.shape[0]
+    weights = {}
+    for ones in itertools.combinations(range(n), k):
+        row = np.zeros(n)
+        row[list(ones)] = 1.0
+        weights[tuple(row)] = math.prod(np.where(row == 1, probs, 1 - probs))
+    normalizer = math.fsum(weights.values())
+    return math.log(weights[tuple(z)]) - math.log(normalizer), math.log(normalizer)
+
+
+def _hessian_by_differences(function, x: np.ndarray, step: float = 1e-4) -> np.ndarray:
+    n = x.shape[0]
+    out = np.zeros((n, n))
+    for i, j in itertools.product(range(n), repeat=2):
+
+        def at(a, b, i=i, j=j):
+            moved = x.copy()
+            moved[i] += a
+            moved[j] += b
+            return function(moved)
+
+        out[i, j] = (at(step, step) - at(step, -step) - at(-step, step) + at(-step, -step)) / (
+            4 * step * step
+        )
+    return out
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_second_derivatives_at_probs_of_exactly_zero_and_one(framework):
+    """Issue 29: Hessians in ``probs`` of log_prob and log_constraint_prob at exact 0s and 1s
+    were 0 in every entry that involves them (the derivatives there were first-order
+    terms only). Two 0s and two 1s with two free ones to place, so that every second-order
+    coefficient (two more ones, two fewer) is nonzero; against enumeration in float64."""
+    probs = np.array([0.0, 0.0, 1.0, 1.0, 0.3, 0.6, 0.2, 0.5])
+    k = 4
+    z = np.array([0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0])
+    expected = [
+        _hessian_by_differences(
+            lambda p, i=i: _polynomial_log_pmf_and_normalizer(p, k, z)[i], probs
+        )
+        for i in range(2)
+    ]
+    if framework == "torch":
+
+        def functions(d):
+            return d.log_prob(torch.tensor(z)), d.log_constraint_prob()
+
+        actual = [
+            torch.autograd.functional.hessian(
+                lambda p, i=i: functions(TorchExactlyKBernoulli(probs=p, k=k))[i],
+                torch.tensor(probs),
+            ).numpy()
+            for i in range(2)
+        ]
+    else:
+
+        def functions(p):
+            d = JaxExactlyKBernoulli(probs=p, k=k)
+            return jnp.stack([d.log_prob(jnp.asarray(z)), d.log_constraint_prob()])
+
+        both = jax.hessian(functions)(jnp.asarray(probs))
+        actual = [np.asarray(both[i]) for i in range(2)]
+    for got, want in zip(actual, expected, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-6 * max(1.0, np.abs(want).max()))
