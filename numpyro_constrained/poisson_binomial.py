@@ -24,12 +24,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from numpyro.distributions import constraints
+from numpyro.distributions.batch_util import vmap_over
 from numpyro.distributions.distribution import Distribution
 from numpyro.distributions.kl import kl_divergence
-from numpyro.util import not_jax_tracer
 
 from constrained_ppl.arguments import check_value_shape
 from numpyro_constrained import exactly_k_kernels as kernels
+from numpyro_constrained._batching import vmap_over_broadcast_leaves
+from numpyro_constrained._bernoulli_arguments import (
+    LOGITS_PROBS_CONSTRAINTS,
+    forced_counts,
+    logits_and_probs,
+)
 from numpyro_constrained._repr import parameters_repr
 from numpyro_constrained.validation import (
     as_concrete_where_possible,
@@ -48,16 +54,6 @@ def _window(dtype) -> float:
 
 # See the torch module: entries with |c (j - t)| above this are left to other passes.
 _TILT_SPAN = 1024.0
-
-
-class _ExtendedReal(constraints.ParameterFreeConstraint):
-    """The extended real line [-inf, +inf]: anything but NaN."""
-
-    def __call__(self, x):
-        return x == x
-
-    def feasible_like(self, prototype):
-        return jnp.zeros_like(prototype)
 
 
 def _flipped(theta):
@@ -207,34 +203,14 @@ class PoissonBinomial(Distribution):
     [0.045, 0.455, 0.455, 0.045]
     """
 
-    arg_constraints = {
-        "probs": constraints.independent(constraints.unit_interval, 1),
-        "logits": constraints.independent(_ExtendedReal(), 1),
-    }
+    arg_constraints = LOGITS_PROBS_CONSTRAINTS
     has_enumerate_support = True
     pytree_data_fields = ("logits", "probs")
 
     def __init__(self, logits=None, probs=None, *, validate_args=None):
-        if (logits is None) == (probs is None):
-            raise ValueError("PoissonBinomial: give exactly one of `logits` or `probs`")
-        given = "logits" if probs is None else "probs"
+        validate = self._validate_args if validate_args is None else validate_args
         with jax.ensure_compile_time_eval():
-            array = jnp.asarray(probs if probs is not None else logits)
-            if not jnp.issubdtype(array.dtype, jnp.floating):
-                array = array.astype(jnp.result_type(float))
-            if array.ndim < 1:
-                raise ValueError(f"{given} must have at least one dimension (the n Bernoullis)")
-            if probs is not None:
-                self.probs = array
-                self.logits = jnp.log(array) - jnp.log1p(-array)  # 0, 1 -> -inf, +inf
-            else:
-                self.logits = array
-                self.probs = jax.nn.sigmoid(array)
-            validate = self._validate_args if validate_args is None else validate_args
-            if validate:
-                verdict = self.arg_constraints[given](getattr(self, given))
-                if not_jax_tracer(verdict) and not np.all(verdict):
-                    raise ValueError(f"PoissonBinomial distribution got invalid {given} parameter.")
+            self.logits, self.probs = logits_and_probs(logits, probs, "PoissonBinomial", validate)
         super().__init__(self.logits.shape[:-1], (), validate_args=validate_args)
 
     @property
@@ -248,7 +224,7 @@ class PoissonBinomial(Distribution):
 
     def _kernel_logits(self):
         """The logits with the always-on Bernoullis removed (-inf), and their number."""
-        forced_on = (self.logits == jnp.inf).sum(-1)
+        forced_on, _ = forced_counts(self.logits)
         return jnp.where(self.logits == jnp.inf, -jnp.inf, self.logits), forced_on
 
     @property
@@ -378,6 +354,14 @@ class PoissonBinomial(Distribution):
 
     def __repr__(self) -> str:
         return parameters_repr(type(self).__name__, {"logits": self.logits})
+
+
+@vmap_over.register
+def _vmap_over_poisson_binomial(dist: PoissonBinomial, logits=None, probs=None):
+    # logits and probs are always both stored, each derived from the other, so a vmapped
+    # argument of either maps both.
+    shared = logits if logits is not None else probs
+    return vmap_over_broadcast_leaves(dist, logits=shared, probs=shared)
 
 
 @kl_divergence.register(PoissonBinomial, PoissonBinomial)

@@ -187,3 +187,42 @@ def test_jax_float32_without_x64():
     np.testing.assert_allclose(got, log_p, rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(mean, p @ vectors, rtol=2e-5, atol=1e-7)
     assert entropy == pytest.approx(-(p * log_p).sum(), rel=2e-5, abs=2e-6)
+
+
+def test_expected_losses_against_enumeration():
+    """The closed-form expected L1 and L2 losses against the average over the enumerated
+    support (real targets, inside and outside [0, 1]), torch and JAX alike, and the
+    gradient of the L2 loss in the logits against finite differences of the enumeration."""
+    from numpyro_constrained.losses import expected_l1_loss as jax_l1
+    from numpyro_constrained.losses import expected_l2_loss as jax_l2
+    from pyro_constrained.losses import expected_l1_loss, expected_l2_loss
+
+    target = np.random.default_rng(4).uniform(-0.5, 1.5, size=LOGITS.shape)
+    expected = np.zeros((2, len(LOGITS)))
+    for b in range(len(LOGITS)):
+        vectors, log_p = _brute(LOGITS[b], LOW[b], HIGH[b])
+        p = np.exp(log_p)
+        expected[0, b] = p @ np.abs(vectors - target[b]).sum(-1)
+        expected[1, b] = p @ ((vectors - target[b]) ** 2).sum(-1)
+    (t, _, _), (j, _, _) = _frameworks()
+    got_torch = [f(t, torch.tensor(target)).numpy() for f in (expected_l1_loss, expected_l2_loss)]
+    got_jax = [np.asarray(f(j, jnp.asarray(target))) for f in (jax_l1, jax_l2)]
+    np.testing.assert_allclose(got_torch, expected, rtol=1e-12)
+    np.testing.assert_allclose(got_jax, expected, rtol=1e-12)
+
+    logits, low, high, y = LOGITS[0], LOW[0], HIGH[0], target[0]
+
+    def loss(x):
+        vectors, log_p = _brute(x, low, high)
+        return np.exp(log_p) @ ((vectors - y) ** 2).sum(-1)
+
+    step = 1e-6
+    fd = np.array([(loss(logits + e) - loss(logits - e)) / (2 * step) for e in np.eye(6) * step])
+    x = torch.tensor(logits, requires_grad=True)
+    d = pc.CountConstrainedBernoulli(logits=x, low=low, high=high)
+    expected_l2_loss(d, torch.tensor(y)).backward()
+    np.testing.assert_allclose(x.grad.numpy(), fd, atol=1e-8)
+    grad = jax.grad(
+        lambda x: jax_l2(nc.CountConstrainedBernoulli(logits=x, low=low, high=high), y)
+    )(jnp.asarray(logits))
+    np.testing.assert_allclose(grad, fd, atol=1e-8)
