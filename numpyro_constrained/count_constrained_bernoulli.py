@@ -113,6 +113,10 @@ class CountConstrainedBernoulli(Distribution):
     }
     has_enumerate_support = True
     reparametrized_params = ["logits", "probs"]
+    # NumPyro infers has_rsample from reparametrized_params covering arg_constraints, and the
+    # bounds, counts, have no gradient; the samples carry the straight-through gradient, so
+    # ELBOs must treat the site as reparameterised (not switch to score functions).
+    has_rsample = True
     pytree_data_fields = ("logits", "probs", "low", "high")
     #: The largest support that `enumerate_support` builds (a ``ValueError`` beyond it).
     max_support = 2**16
@@ -184,7 +188,7 @@ class CountConstrainedBernoulli(Distribution):
         logits = jnp.broadcast_to(self.logits, (width,) + self.logits.shape)
         logits = jnp.where(infeasible[..., None], 0.0, logits)
         k_max = (
-            min(self.logits.shape[-1], int(np.max(np.asarray(last))))
+            min(self.logits.shape[-1], max(0, int(np.max(np.asarray(last)))))
             if is_concrete(last) and last.size
             else None
         )
@@ -259,7 +263,10 @@ class CountConstrainedBernoulli(Distribution):
         total = lax.stop_gradient(value).sum(-1)
         binary = jnp.all((value == 0) | (value == 1), axis=-1)
         inside = binary & (total >= first) & (total <= last) & ~jnp.broadcast_to(infeasible, shape)
-        k = jnp.where(inside, jnp.round(total), first).astype(jnp.int32)
+        # Outside the support a placeholder count in 0..max(last, 0) (so at most k_max),
+        # whose result is discarded: first itself exceeds last where low > high.
+        placeholder = jnp.clip(first, 0, jnp.maximum(last, 0))
+        k = jnp.where(inside, jnp.round(total), placeholder).astype(jnp.int32)
         logits = jnp.broadcast_to(self.logits, shape + self.event_shape)
         within = ExactlyKBernoulli(logits=logits, k=k, k_max=stacked.k_max, validate_args=False)
         safe = jnp.where(inside[..., None], value, within.mode)

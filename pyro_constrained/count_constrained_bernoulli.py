@@ -257,7 +257,10 @@ class CountConstrainedBernoulli(TorchDistribution):
         binary = ((value == 0) | (value == 1)).all(-1)
         low, high = self._first.expand(shape), self._last.expand(shape)
         inside = binary & (total >= low) & (total <= high) & ~self._infeasible.expand(shape)
-        k = torch.where(inside, total.round().long(), low.clamp(min=0))
+        # Outside the support a placeholder count in 0..max(high, 0), whose result is
+        # discarded: low itself exceeds high (and may exceed n) where the range is empty.
+        placeholder = torch.minimum(low, high).clamp(min=0)
+        k = torch.where(inside, total.round().long(), placeholder)
         logits = self.logits.expand(shape + self.event_shape)
         within = ExactlyKBernoulli(logits=logits, k=k, validate_args=False)
         safe = torch.where(inside[..., None], value, within.mode)

@@ -67,13 +67,17 @@ def test_against_enumeration(dtype):
         mean, entropy, mode, counts = map(
             as_np, (d.mean, d.entropy(), d.mode, d.count_distribution)
         )
-        for b in range(len(LOGITS)):
-            vectors, log_p = _brute(LOGITS[b], LOW[b], HIGH[b])
+        supports = [_brute(LOGITS[b], LOW[b], HIGH[b]) for b in range(len(LOGITS))]
+        # Every batch element's support in one call (one shape, one compilation in JAX):
+        # the shorter supports padded with their first vector.
+        size = max(len(vectors) for vectors, _ in supports)
+        values = np.stack(
+            [np.concatenate([v, np.repeat(v[:1], size - len(v), 0)]) for v, _ in supports], 1
+        )
+        scores = as_np(d.log_prob(as_array(values.astype(dtype))))
+        for b, (vectors, log_p) in enumerate(supports):
             p = np.exp(log_p)
-            values = np.zeros((len(vectors),) + LOGITS.shape)
-            values[:, b] = vectors
-            got = as_np(d.log_prob(as_array(values.astype(dtype))))[:, b]
-            np.testing.assert_allclose(got, log_p, rtol=rtol, atol=rtol)
+            np.testing.assert_allclose(scores[: len(vectors), b], log_p, rtol=rtol, atol=rtol)
             np.testing.assert_allclose(mean[b], p @ vectors, rtol=rtol, atol=rtol * 1e-3)
             np.testing.assert_allclose(entropy[b], -(p * log_p).sum(), rtol=rtol, atol=rtol)
             np.testing.assert_array_equal(mode[b], vectors[np.argmax(log_p)])
@@ -210,7 +214,8 @@ def test_expected_losses_against_enumeration():
     np.testing.assert_allclose(got_torch, expected, rtol=1e-12)
     np.testing.assert_allclose(got_jax, expected, rtol=1e-12)
 
-    logits, low, high, y = LOGITS[0], LOW[0], HIGH[0], target[0]
+    # The bounds of test_gradients_against_finite_differences: JAX reuses its compilations.
+    logits, low, high, y = LOGITS[0], 2, 4, target[0]
 
     def loss(x):
         vectors, log_p = _brute(x, low, high)
@@ -226,3 +231,45 @@ def test_expected_losses_against_enumeration():
         lambda x: jax_l2(nc.CountConstrainedBernoulli(logits=x, low=low, high=high), y)
     )(jnp.asarray(logits))
     np.testing.assert_allclose(grad, fd, atol=1e-8)
+
+
+def test_empty_range_without_validation():
+    # low > high with validation off: log_prob -inf, marginals and entropy NaN (NumPyro's
+    # log_prob raised from inside ExactlyKBernoulli: the placeholder count exceeded k_max).
+    value = np.array([1.0, 1.0, 1.0, 0.0, 0.0, 0.0])
+    t = pc.CountConstrainedBernoulli(logits=torch.zeros(6), low=3, high=2, validate_args=False)
+    j = nc.CountConstrainedBernoulli(logits=jnp.zeros(6), low=3, high=2, validate_args=False)
+    for d, as_np, as_array in ((t, np.asarray, torch.tensor), (j, np.asarray, jnp.asarray)):
+        assert float(d.log_prob(as_array(value))) == -np.inf
+        assert np.all(np.isnan(as_np(d.mean)))
+        assert np.isnan(float(d.entropy()))
+
+
+def test_gradient_in_probs_with_exact_zeros_and_ones():
+    # Exact 0 and 1 force a variable off / on; the gradient in the other probabilities is
+    # that of the enumerated law, with no NaN from log(0) (it was NaN wherever they were).
+    # n = 6 and a range of three counts, as test_gradients_against_finite_differences: JAX
+    # reuses its compilations.
+    probs = np.array([0.0, 1.0, 0.3, 0.7, 1.0, 0.5])
+    value = np.array([0.0, 1.0, 1.0, 0.0, 1.0, 0.0])
+    interior = (probs > 0) & (probs < 1)
+
+    def log_p(p):
+        with np.errstate(divide="ignore"):
+            logits = np.log(p) - np.log1p(-p)
+        vectors, log_probs = _brute(logits, 2, 4)
+        return log_probs[np.flatnonzero((vectors == value).all(-1))[0]]
+
+    step = 1e-6
+    expected = np.zeros(len(probs))
+    for i in np.flatnonzero(interior):
+        e = np.eye(len(probs))[i] * step
+        expected[i] = (log_p(probs + e) - log_p(probs - e)) / (2 * step)
+    x = torch.tensor(probs, requires_grad=True)
+    pc.CountConstrainedBernoulli(probs=x, low=2, high=4).log_prob(torch.tensor(value)).backward()
+    grad_jax = jax.grad(
+        lambda p: nc.CountConstrainedBernoulli(probs=p, low=2, high=4).log_prob(value)
+    )(jnp.asarray(probs))
+    for grad in (x.grad.numpy(), np.asarray(grad_jax)):
+        assert np.all(np.isfinite(grad))
+        np.testing.assert_allclose(grad[interior], expected[interior], atol=1e-7)
