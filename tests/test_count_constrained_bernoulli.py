@@ -234,15 +234,19 @@ def test_expected_losses_against_enumeration():
 
 
 def test_empty_range_without_validation():
-    # low > high with validation off: log_prob -inf, marginals and entropy NaN (NumPyro's
-    # log_prob raised from inside ExactlyKBernoulli: the placeholder count exceeded k_max).
-    value = np.array([1.0, 1.0, 1.0, 0.0, 0.0, 0.0])
-    t = pc.CountConstrainedBernoulli(logits=torch.zeros(6), low=3, high=2, validate_args=False)
-    j = nc.CountConstrainedBernoulli(logits=jnp.zeros(6), low=3, high=2, validate_args=False)
-    for d, as_np, as_array in ((t, np.asarray, torch.tensor), (j, np.asarray, jnp.asarray)):
-        assert float(d.log_prob(as_array(value))) == -np.inf
-        assert np.all(np.isnan(as_np(d.mean)))
-        assert np.isnan(float(d.entropy()))
+    # low > high (the last batch element) with validation off: log_prob -inf, marginals and
+    # entropy NaN there, the other elements unaffected (NumPyro's log_prob raised from
+    # inside ExactlyKBernoulli: the placeholder count exceeded k_max). The stacked shapes are
+    # those of test_against_enumeration, so JAX reuses its compilations.
+    low, high = np.array([0, 2, 5]), np.array([3, 4, 2])
+    value = np.zeros(LOGITS.shape)
+    value[:, :3] = 1.0
+    value[1, 4] = 0.0  # (forced off there)
+    for d, as_np, as_array in _frameworks(low=low, high=high):
+        log_prob = as_np(d.log_prob(as_array(value)))
+        assert log_prob[2] == -np.inf and np.all(np.isfinite(log_prob[:2]))
+        assert np.all(np.isnan(as_np(d.mean)[2])) and np.all(np.isfinite(as_np(d.mean)[:2]))
+        assert np.isnan(as_np(d.entropy())[2])
 
 
 def test_gradient_in_probs_with_exact_zeros_and_ones():
