@@ -179,7 +179,11 @@ class CountConstrainedBernoulli(Distribution):
     def _stack(self):
         """(stacked ExactlyKBernoulli over the counts, counts, in_range, infeasible)."""
         width = self._width()
-        first, last = self._range()
+        # Concrete where the logits and bounds are (constants closed over under jit): then
+        # the stacked ExactlyKBernoulli gets a concrete k and k_max, the same tables and so
+        # the same draws from a key as outside jit.
+        with jax.ensure_compile_time_eval():
+            first, last = self._range()
         infeasible = first > last
         r = jnp.arange(width).reshape((-1,) + (1,) * len(self.batch_shape))
         in_range = first + r <= last
