@@ -13,12 +13,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from numpyro.distributions import constraints
+from numpyro.distributions.batch_util import vmap_over
 from numpyro.distributions.distribution import Distribution
 from numpyro.distributions.kl import kl_divergence
 from numpyro.util import not_jax_tracer
 
 from constrained_ppl.arguments import check_count, check_value_shape
 from constrained_ppl.enumeration import check_support_size, k_hot_table
+from numpyro_constrained._batching import vmap_over_broadcast_leaves
+from numpyro_constrained._bernoulli_arguments import (
+    LOGITS_PROBS_CONSTRAINTS,
+    forced_counts,
+    logits_and_probs,
+)
 from numpyro_constrained._repr import parameters_repr
 from numpyro_constrained.exactly_k_bernoulli import ExactlyKBernoulli
 from numpyro_constrained.validation import (
@@ -28,16 +35,6 @@ from numpyro_constrained.validation import (
 )
 
 __all__ = ["CountConstrainedBernoulli", "CountRange"]
-
-
-class _ExtendedReal(constraints.ParameterFreeConstraint):
-    """The extended real line [-inf, +inf]: anything but NaN."""
-
-    def __call__(self, x):
-        return x == x
-
-    def feasible_like(self, prototype):
-        return jnp.zeros_like(prototype)
 
 
 class CountRange(constraints.Constraint):
@@ -110,31 +107,24 @@ class CountConstrainedBernoulli(Distribution):
     """
 
     arg_constraints = {
-        "probs": constraints.independent(constraints.unit_interval, 1),
-        "logits": constraints.independent(_ExtendedReal(), 1),
+        **LOGITS_PROBS_CONSTRAINTS,
         "low": constraints.nonnegative_integer,
         "high": constraints.nonnegative_integer,
     }
     has_enumerate_support = True
     reparametrized_params = ["logits", "probs"]
+    # NumPyro infers has_rsample from reparametrized_params covering arg_constraints, and the
+    # bounds, counts, have no gradient; the samples carry the straight-through gradient, so
+    # ELBOs must treat the site as reparameterised (not switch to score functions).
+    has_rsample = True
     pytree_data_fields = ("logits", "probs", "low", "high")
     #: The largest support that `enumerate_support` builds (a ``ValueError`` beyond it).
     max_support = 2**16
 
     def __init__(self, logits=None, probs=None, *, low=None, high=None, validate_args=None):
-        if (logits is None) == (probs is None):
-            raise ValueError("CountConstrainedBernoulli: give exactly one of `logits` or `probs`")
-        name = "logits" if probs is None else "probs"
+        validate = self._validate_args if validate_args is None else validate_args
         with jax.ensure_compile_time_eval():
-            array = jnp.asarray(probs if probs is not None else logits)
-            if not jnp.issubdtype(array.dtype, jnp.floating):
-                array = array.astype(jnp.result_type(float))
-            if array.ndim < 1:
-                raise ValueError(f"{name} must have at least one dimension (the n variables)")
-            if probs is not None:
-                logits, probs = jnp.log(array) - jnp.log1p(-array), array
-            else:
-                logits, probs = array, jax.nn.sigmoid(array)
+            logits, probs = logits_and_probs(logits, probs, "CountConstrainedBernoulli", validate)
             n = logits.shape[-1]
             low, high = _as_bound(low, 0, "low"), _as_bound(high, n, "high")
             try:
@@ -150,13 +140,7 @@ class CountConstrainedBernoulli(Distribution):
                 jnp.broadcast_to(low, batch_shape),
                 jnp.broadcast_to(high, batch_shape),
             )
-            validate = self._validate_args if validate_args is None else validate_args
             if validate:
-                verdict = self.arg_constraints[name](array)
-                if not_jax_tracer(verdict) and not np.all(verdict):
-                    raise ValueError(
-                        f"CountConstrainedBernoulli distribution got invalid {name} parameter."
-                    )
                 self._check_bounds()
         super().__init__(batch_shape, (n,), validate_args=validate_args)
 
@@ -177,8 +161,7 @@ class CountConstrainedBernoulli(Distribution):
     def _range(self):
         """(first, last): the bounds narrowed to the counts the infinite logits allow."""
         n = self.logits.shape[-1]
-        forced_on = (self.logits == jnp.inf).sum(-1)
-        forced_off = (self.logits == -jnp.inf).sum(-1)
+        forced_on, forced_off = forced_counts(self.logits)
         first = jnp.maximum(self.low, forced_on)
         last = jnp.minimum(self.high, n - forced_off)
         return first, last
@@ -196,7 +179,11 @@ class CountConstrainedBernoulli(Distribution):
     def _stack(self):
         """(stacked ExactlyKBernoulli over the counts, counts, in_range, infeasible)."""
         width = self._width()
-        first, last = self._range()
+        # Concrete where the logits and bounds are (constants closed over under jit): then
+        # the stacked ExactlyKBernoulli gets a concrete k and k_max, the same tables and so
+        # the same draws from a key as outside jit.
+        with jax.ensure_compile_time_eval():
+            first, last = self._range()
         infeasible = first > last
         r = jnp.arange(width).reshape((-1,) + (1,) * len(self.batch_shape))
         in_range = first + r <= last
@@ -205,7 +192,7 @@ class CountConstrainedBernoulli(Distribution):
         logits = jnp.broadcast_to(self.logits, (width,) + self.logits.shape)
         logits = jnp.where(infeasible[..., None], 0.0, logits)
         k_max = (
-            min(self.logits.shape[-1], int(np.max(np.asarray(last))))
+            min(self.logits.shape[-1], max(0, int(np.max(np.asarray(last)))))
             if is_concrete(last) and last.size
             else None
         )
@@ -280,7 +267,10 @@ class CountConstrainedBernoulli(Distribution):
         total = lax.stop_gradient(value).sum(-1)
         binary = jnp.all((value == 0) | (value == 1), axis=-1)
         inside = binary & (total >= first) & (total <= last) & ~jnp.broadcast_to(infeasible, shape)
-        k = jnp.where(inside, jnp.round(total), first).astype(jnp.int32)
+        # Outside the support a placeholder count in 0..max(last, 0) (so at most k_max),
+        # whose result is discarded: first itself exceeds last where low > high.
+        placeholder = jnp.clip(first, 0, jnp.maximum(last, 0))
+        k = jnp.where(inside, jnp.round(total), placeholder).astype(jnp.int32)
         logits = jnp.broadcast_to(self.logits, shape + self.event_shape)
         within = ExactlyKBernoulli(logits=logits, k=k, k_max=stacked.k_max, validate_args=False)
         safe = jnp.where(inside[..., None], value, within.mode)
@@ -385,6 +375,16 @@ class CountConstrainedBernoulli(Distribution):
             {"logits": self.logits, "low": self.low, "high": self.high},
             integers=("low", "high"),
         )
+
+
+@vmap_over.register
+def _vmap_over_count_constrained_bernoulli(
+    dist: CountConstrainedBernoulli, logits=None, probs=None, low=None, high=None
+):
+    # logits and probs are always both stored, each derived from the other, so a vmapped
+    # argument of either maps both.
+    shared = logits if logits is not None else probs
+    return vmap_over_broadcast_leaves(dist, logits=shared, probs=shared, low=low, high=high)
 
 
 @kl_divergence.register(CountConstrainedBernoulli, CountConstrainedBernoulli)

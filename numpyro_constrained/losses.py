@@ -26,6 +26,7 @@ from numpyro_constrained.conditioned_poisson import (
     _normalized_log_probs,
     _probs_only,
 )
+from numpyro_constrained.count_constrained_bernoulli import CountConstrainedBernoulli
 from numpyro_constrained.exactly_k_bernoulli import ExactlyKBernoulli
 from numpyro_constrained.linear_constrained_normal import LinearConstrainedNormal
 
@@ -198,3 +199,12 @@ def _(dist: ConditionedPoisson, target) -> jax.Array:
     """``sum_i k p_i (1 - p_i) + (k p_i - y_i)^2``."""
     target = jnp.asarray(target, dtype=dist.rate.dtype)
     return jnp.sum(dist.variance + (dist.mean - target) ** 2, -1)
+
+
+# CountConstrainedBernoulli (docs/distributions/count_constrained_bernoulli.md, expected
+# losses): z is binary, so (z_i - y_i)^2 = z_i (1 - 2 y_i) + y_i^2 and
+# |z_i - y_i| = z_i |1 - y_i| + (1 - z_i) |y_i| are linear in z_i, and their expectations
+# need only the conditional marginals mu_i = P(z_i = 1 | low <= |z| <= high): the
+# exactly-k formulas above, with the range's marginals.
+expected_l1_loss.register(CountConstrainedBernoulli, _expected_l1_loss_exactly_k)
+expected_l2_loss.register(CountConstrainedBernoulli, _expected_l2_loss_exactly_k)

@@ -13,7 +13,8 @@ The math: ``docs/distributions/poisson_binomial.md``; the method is that of
 
 Tables are in the kernels' wide dtype: float64 when JAX's x64 mode is on, float32 otherwise
 (then the wide levels' FFT rounding is about 1e-7 of a table's largest entry, and
-``log_pmf`` admits only entries within a factor 10 of it).
+``log_pmf`` admits only entries within a factor 10 of it). ``log_pmf`` turns each pass's
+table into log-probabilities on the host in float64 (``_assemble``), whatever the mode.
 """
 
 import math
@@ -24,12 +25,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from numpyro.distributions import constraints
+from numpyro.distributions.batch_util import vmap_over
 from numpyro.distributions.distribution import Distribution
 from numpyro.distributions.kl import kl_divergence
-from numpyro.util import not_jax_tracer
 
 from constrained_ppl.arguments import check_value_shape
 from numpyro_constrained import exactly_k_kernels as kernels
+from numpyro_constrained._batching import vmap_over_broadcast_leaves
+from numpyro_constrained._bernoulli_arguments import (
+    LOGITS_PROBS_CONSTRAINTS,
+    forced_counts,
+    logits_and_probs,
+)
 from numpyro_constrained._repr import parameters_repr
 from numpyro_constrained.validation import (
     as_concrete_where_possible,
@@ -46,18 +53,11 @@ def _window(dtype) -> float:
     return 1e-3 if dtype == jnp.float64 else 0.1
 
 
-# See the torch module: entries with |c (j - t)| above this are left to other passes.
-_TILT_SPAN = 1024.0
-
-
-class _ExtendedReal(constraints.ParameterFreeConstraint):
-    """The extended real line [-inf, +inf]: anything but NaN."""
-
-    def __call__(self, x):
-        return x == x
-
-    def feasible_like(self, prototype):
-        return jnp.zeros_like(prototype)
+def _tilt_span(dtype) -> float:
+    """Entries with ``|c (j - t)|`` above this are left to other passes (see the torch
+    module): their error from the tilt rounded into the logits, about eps |c (j - t)|, stays
+    near 1e-13 in float64 and 2e-6 in float32 (the FFT error of an admitted entry)."""
+    return 1024.0 if dtype == jnp.float64 else 16.0
 
 
 def _flipped(theta):
@@ -65,34 +65,38 @@ def _flipped(theta):
     return jnp.where(theta > -jnp.inf, -theta, theta)
 
 
-def _row_terms(theta, c):
-    """(P, rest) with ``log P(K = j) = log_reduced_j + c (P - j) + rest`` (see the torch
-    module's ``_row_terms``)."""
-    x = theta + c[:, None]
-    finite = theta > -jnp.inf
+def _assemble(theta: np.ndarray, log_root: np.ndarray, c: np.ndarray, exponent: np.ndarray):
+    """``log P(K = j)`` (rows, width), float64, from one pass's root table: ``log root_j +
+    exponent log 2 + c (P - j) + rest`` (the torch module's ``_row_terms``), ``theta`` the
+    kernel logits and ``c`` the tilt in the kernels' wide dtype. Assembled on the host in
+    float64: with x64 off, the exponent's ``log 2`` multiple, the sum of n softplus tails and
+    ``c (P - j)`` are each of size about n, and their float32 roundings (1e-3 at n = 1e4)
+    would swamp the answer."""
+    x = theta + c[:, None]  # in the wide dtype: the side each logit took in the kernels
+    theta = theta.astype(np.float64)
+    finite = theta > -np.inf
     x_on, theta_on = (x >= 0) & finite, (theta >= 0) & finite
-    shift = jnp.where(x_on & ~theta_on, theta, 0.0).sum(-1)
-    shift = shift - jnp.where(theta_on & ~x_on, theta, 0.0).sum(-1)
-    tails = jnp.where(finite, jnp.log1p(jnp.exp(-jnp.abs(theta))), 0.0).sum(-1)
-    return x_on.sum(-1), shift - tails
+    shift = np.where(x_on & ~theta_on, theta, 0.0).sum(-1)
+    shift = shift - np.where(theta_on & ~x_on, theta, 0.0).sum(-1)
+    with np.errstate(over="ignore"):
+        tails = np.where(finite, np.log1p(np.exp(-np.abs(theta))), 0.0).sum(-1)
+    rest = exponent.astype(np.float64) * np.log(2.0) + shift - tails
+    j = np.arange(log_root.shape[-1])
+    on = x_on.sum(-1)
+    c = c.astype(np.float64)
+    return log_root.astype(np.float64) + rest[:, None] + c[:, None] * (on[:, None] - j)
 
 
 @partial(jax.jit, static_argnames="k_max")
 def _window_pass(theta, padded, target, k_max: int):
     """One tilted upward pass over ``padded`` (``theta`` padded with ``-inf`` to the kernels'
-    bucket): (log P(K = j), root / its largest entry), both (rows, width), and the tilt."""
+    bucket): (log of the root table, root / its largest entry), both (rows, width), the tilt
+    and the base-2 exponent of the tables' scale (the upward pass rescales by powers of 2)."""
     _, c, _, root, _, exponent, _ = kernels._prepare(padded, target, k_max, False)
     wide = kernels.wide_dtype(theta.dtype)
-    # The upward pass rescales its tables by powers of two: exponent is their base-2 sum.
-    log_scale = exponent.astype(wide) * np.log(2.0)
     root = root.astype(wide)
     ratio = root / jnp.maximum(root.max(-1, keepdims=True), jnp.finfo(wide).tiny)
-    c = c.astype(wide)
-    j = jnp.arange(root.shape[-1], dtype=wide)
-    on, rest = _row_terms(theta.astype(wide), c)
-    terms = log_scale + rest
-    log_p = jnp.log(root) + terms[:, None] + c[:, None] * (on[:, None] - j)
-    return log_p, ratio, c
+    return jnp.log(root), ratio, c.astype(wide), exponent
 
 
 def _half_pmf(theta: jax.Array, half: np.ndarray) -> np.ndarray:
@@ -101,7 +105,8 @@ def _half_pmf(theta: jax.Array, half: np.ndarray) -> np.ndarray:
     pass takes all rows, so that shapes, and compilations, repeat)."""
     rows, n = theta.shape
     wide = kernels.wide_dtype(theta.dtype)
-    window = _window(wide)
+    window, tilt_span = _window(wide), _tilt_span(wide)
+    theta_host = np.asarray(theta, dtype=wide)
     out = np.full((rows, n + 1), -np.inf)
     best = np.full((rows, n + 1), -1.0)
     needed = np.arange(n + 1)[None, :] <= half[:, None]
@@ -113,12 +118,14 @@ def _half_pmf(theta: jax.Array, half: np.ndarray) -> np.ndarray:
         k_max = max(1, int(top[active].max()))
         padded, k_max, _ = kernels._to_bucket(theta, k_max)
         t = np.where(active, target, 0)
-        log_p, ratio, c = _window_pass(theta, padded, jnp.asarray(t, jnp.int32), k_max)
-        log_p, ratio = np.asarray(log_p, np.float64), np.asarray(ratio, np.float64)
+        log_root, ratio, c, exponent = _window_pass(theta, padded, jnp.asarray(t, jnp.int32), k_max)
+        c = np.asarray(c)
+        log_p = _assemble(theta_host, np.asarray(log_root), c, np.asarray(exponent))
+        ratio = np.asarray(ratio, np.float64)
         width = min(log_p.shape[-1], n + 1)
         log_p, ratio = log_p[:, :width], ratio[:, :width]
         j = np.arange(width)
-        span = np.abs(np.asarray(c, np.float64)[:, None] * (j[None, :] - t[:, None])) <= _TILT_SPAN
+        span = np.abs(c.astype(np.float64)[:, None] * (j[None, :] - t[:, None])) <= tilt_span
         accept = (((ratio >= window) & span) | (j[None, :] == t[:, None])) & active[:, None]
         better = accept & (ratio > best[:, :width]) & needed[:, :width]
         out[:, :width] = np.where(better, log_p, out[:, :width])
@@ -207,34 +214,14 @@ class PoissonBinomial(Distribution):
     [0.045, 0.455, 0.455, 0.045]
     """
 
-    arg_constraints = {
-        "probs": constraints.independent(constraints.unit_interval, 1),
-        "logits": constraints.independent(_ExtendedReal(), 1),
-    }
+    arg_constraints = LOGITS_PROBS_CONSTRAINTS
     has_enumerate_support = True
     pytree_data_fields = ("logits", "probs")
 
     def __init__(self, logits=None, probs=None, *, validate_args=None):
-        if (logits is None) == (probs is None):
-            raise ValueError("PoissonBinomial: give exactly one of `logits` or `probs`")
-        given = "logits" if probs is None else "probs"
+        validate = self._validate_args if validate_args is None else validate_args
         with jax.ensure_compile_time_eval():
-            array = jnp.asarray(probs if probs is not None else logits)
-            if not jnp.issubdtype(array.dtype, jnp.floating):
-                array = array.astype(jnp.result_type(float))
-            if array.ndim < 1:
-                raise ValueError(f"{given} must have at least one dimension (the n Bernoullis)")
-            if probs is not None:
-                self.probs = array
-                self.logits = jnp.log(array) - jnp.log1p(-array)  # 0, 1 -> -inf, +inf
-            else:
-                self.logits = array
-                self.probs = jax.nn.sigmoid(array)
-            validate = self._validate_args if validate_args is None else validate_args
-            if validate:
-                verdict = self.arg_constraints[given](getattr(self, given))
-                if not_jax_tracer(verdict) and not np.all(verdict):
-                    raise ValueError(f"PoissonBinomial distribution got invalid {given} parameter.")
+            self.logits, self.probs = logits_and_probs(logits, probs, "PoissonBinomial", validate)
         super().__init__(self.logits.shape[:-1], (), validate_args=validate_args)
 
     @property
@@ -248,7 +235,7 @@ class PoissonBinomial(Distribution):
 
     def _kernel_logits(self):
         """The logits with the always-on Bernoullis removed (-inf), and their number."""
-        forced_on = (self.logits == jnp.inf).sum(-1)
+        forced_on, _ = forced_counts(self.logits)
         return jnp.where(self.logits == jnp.inf, -jnp.inf, self.logits), forced_on
 
     @property
@@ -378,6 +365,14 @@ class PoissonBinomial(Distribution):
 
     def __repr__(self) -> str:
         return parameters_repr(type(self).__name__, {"logits": self.logits})
+
+
+@vmap_over.register
+def _vmap_over_poisson_binomial(dist: PoissonBinomial, logits=None, probs=None):
+    # logits and probs are always both stored, each derived from the other, so a vmapped
+    # argument of either maps both.
+    shared = logits if logits is not None else probs
+    return vmap_over_broadcast_leaves(dist, logits=shared, probs=shared)
 
 
 @kl_divergence.register(PoissonBinomial, PoissonBinomial)

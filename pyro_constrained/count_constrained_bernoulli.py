@@ -19,17 +19,15 @@ from torch.distributions.utils import lazy_property
 
 from constrained_ppl.arguments import check_count, check_value_shape
 from constrained_ppl.enumeration import check_support_size, k_hot_table
+from pyro_constrained._bernoulli_arguments import (
+    LOGITS_PROBS_CONSTRAINTS,
+    forced_counts,
+    logits_argument,
+)
 from pyro_constrained._repr import parameters_repr
 from pyro_constrained.exactly_k_bernoulli import ExactlyKBernoulli
 
 __all__ = ["CountConstrainedBernoulli", "CountRange"]
-
-
-class _ExtendedReal(constraints.Constraint):
-    """The extended real line [-inf, +inf]: anything but NaN."""
-
-    def check(self, value: torch.Tensor) -> torch.Tensor:
-        return value == value
 
 
 class CountRange(constraints.Constraint):
@@ -57,10 +55,6 @@ def _as_bound(bound, default: int, logits: torch.Tensor, name: str) -> torch.Ten
         bound = default
     check_count(bound, concrete=True, name=name)
     return torch.as_tensor(bound, device=logits.device).to(torch.long)
-
-
-def _logits_from_probs(probs: torch.Tensor) -> torch.Tensor:
-    return torch.log(probs) - torch.log1p(-probs)
 
 
 class CountConstrainedBernoulli(TorchDistribution):
@@ -102,8 +96,7 @@ class CountConstrainedBernoulli(TorchDistribution):
     """
 
     arg_constraints = {
-        "probs": constraints.independent(constraints.unit_interval, 1),
-        "logits": constraints.independent(_ExtendedReal(), 1),
+        **LOGITS_PROBS_CONSTRAINTS,
         "low": constraints.nonnegative_integer,
         "high": constraints.nonnegative_integer,
     }
@@ -121,15 +114,7 @@ class CountConstrainedBernoulli(TorchDistribution):
         high: int | torch.Tensor | None = None,
         validate_args: bool | None = None,
     ):
-        if (logits is None) == (probs is None):
-            raise ValueError("CountConstrainedBernoulli: give exactly one of `logits` or `probs`")
-        given = torch.as_tensor(probs if probs is not None else logits)
-        if not given.is_floating_point():
-            given = given.to(torch.get_default_dtype())
-        if given.dim() < 1:
-            name = "probs" if probs is not None else "logits"
-            raise ValueError(f"{name} must have at least one dimension (the n variables)")
-        logits = _logits_from_probs(given) if probs is not None else given
+        logits, probs = logits_argument(logits, probs, "CountConstrainedBernoulli")
         n = logits.shape[-1]
         low = _as_bound(low, 0, logits, "low")
         high = _as_bound(high, n, logits, "high")
@@ -143,7 +128,7 @@ class CountConstrainedBernoulli(TorchDistribution):
         event_shape = logits.shape[-1:]
         self.logits = logits.expand(batch_shape + event_shape)
         if probs is not None:
-            self.probs = given.expand(batch_shape + event_shape)
+            self.probs = probs.expand(batch_shape + event_shape)
         self.low, self.high = low.expand(batch_shape), high.expand(batch_shape)
         validate = Distribution._validate_args if validate_args is None else validate_args
         self._check_bounds(validate)
@@ -152,8 +137,7 @@ class CountConstrainedBernoulli(TorchDistribution):
     def _check_bounds(self, validate: bool) -> None:
         n = self.logits.shape[-1]
         with torch.no_grad():
-            forced_on = (self.logits == torch.inf).sum(-1)
-            forced_off = (self.logits == -torch.inf).sum(-1)
+            forced_on, forced_off = forced_counts(self.logits)
             first = torch.maximum(self.low, forced_on)
             last = torch.minimum(self.high, n - forced_off)
         if validate and self.low.numel():
@@ -273,7 +257,10 @@ class CountConstrainedBernoulli(TorchDistribution):
         binary = ((value == 0) | (value == 1)).all(-1)
         low, high = self._first.expand(shape), self._last.expand(shape)
         inside = binary & (total >= low) & (total <= high) & ~self._infeasible.expand(shape)
-        k = torch.where(inside, total.round().long(), low.clamp(min=0))
+        # Outside the support a placeholder count in 0..max(high, 0), whose result is
+        # discarded: low itself exceeds high (and may exceed n) where the range is empty.
+        placeholder = torch.minimum(low, high).clamp(min=0)
+        k = torch.where(inside, total.round().long(), placeholder)
         logits = self.logits.expand(shape + self.event_shape)
         within = ExactlyKBernoulli(logits=logits, k=k, validate_args=False)
         safe = torch.where(inside[..., None], value, within.mode)

@@ -22,6 +22,7 @@ from pyro_constrained.conditioned_poisson import (
     _normalized_log_probs,
     _probs_only,
 )
+from pyro_constrained.count_constrained_bernoulli import CountConstrainedBernoulli
 from pyro_constrained.exactly_k_bernoulli import ExactlyKBernoulli
 from pyro_constrained.linear_constrained_normal import LinearConstrainedNormal
 
@@ -177,3 +178,12 @@ def _(dist: ConditionedPoisson, target: torch.Tensor) -> torch.Tensor:
     """``sum_i k p_i (1 - p_i) + (k p_i - y_i)^2``."""
     target = torch.as_tensor(target, dtype=dist.rate.dtype, device=dist.rate.device)
     return (dist.variance + (dist.mean - target) ** 2).sum(-1)
+
+
+# CountConstrainedBernoulli (docs/distributions/count_constrained_bernoulli.md, expected
+# losses): z is binary, so (z_i - y_i)^2 = z_i (1 - 2 y_i) + y_i^2 and
+# |z_i - y_i| = z_i |1 - y_i| + (1 - z_i) |y_i| are linear in z_i, and their expectations
+# need only the conditional marginals mu_i = P(z_i = 1 | low <= |z| <= high): the
+# exactly-k formulas above, with the range's marginals.
+expected_l1_loss.register(CountConstrainedBernoulli, _expected_l1_loss_exactly_k)
+expected_l2_loss.register(CountConstrainedBernoulli, _expected_l2_loss_exactly_k)

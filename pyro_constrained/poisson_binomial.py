@@ -33,7 +33,13 @@ from torch.distributions.utils import lazy_property
 
 from constrained_ppl.arguments import check_value_shape
 from pyro_constrained import exactly_k_kernels as kernels
+from pyro_constrained._bernoulli_arguments import (
+    LOGITS_PROBS_CONSTRAINTS,
+    forced_counts,
+    logits_argument,
+)
 from pyro_constrained._repr import parameters_repr
+from pyro_constrained.exactly_k_bernoulli import _softplus
 
 __all__ = ["PoissonBinomial"]
 
@@ -49,23 +55,6 @@ _WINDOW = 1e-3
 _TILT_SPAN = 1024.0
 # Rows of the per-count path per kernel call: about this many logits (memory of the tables).
 _PER_COUNT_ENTRIES = 2**20
-
-
-def _softplus(x: torch.Tensor) -> torch.Tensor:
-    # Exact for all finite inputs, with the right derivative at 0 (see exactly_k_bernoulli).
-    return torch.logaddexp(x, torch.zeros_like(x))
-
-
-def _logits_from_probs(probs: torch.Tensor) -> torch.Tensor:
-    # Exact 0 and 1 map to -inf and +inf (torch's probs_to_logits clamps them instead).
-    return torch.log(probs) - torch.log1p(-probs)
-
-
-class _ExtendedReal(constraints.Constraint):
-    """The extended real line [-inf, +inf]: anything but NaN."""
-
-    def check(self, value: torch.Tensor) -> torch.Tensor:
-        return value == value
 
 
 def _flipped(theta: torch.Tensor) -> torch.Tensor:
@@ -245,10 +234,7 @@ class PoissonBinomial(TorchDistribution):
     (1.5, 0.43)
     """
 
-    arg_constraints = {
-        "probs": constraints.independent(constraints.unit_interval, 1),
-        "logits": constraints.independent(_ExtendedReal(), 1),
-    }
+    arg_constraints = LOGITS_PROBS_CONSTRAINTS
     has_enumerate_support = True
 
     def __init__(
@@ -258,19 +244,9 @@ class PoissonBinomial(TorchDistribution):
         *,
         validate_args: bool | None = None,
     ):
-        if (logits is None) == (probs is None):
-            raise ValueError("PoissonBinomial: give exactly one of `logits` or `probs`")
-        given = torch.as_tensor(probs if probs is not None else logits)
-        if not given.is_floating_point():
-            given = given.to(torch.get_default_dtype())
-        if given.dim() < 1:
-            name = "probs" if probs is not None else "logits"
-            raise ValueError(f"{name} must have at least one dimension (the n Bernoullis)")
-        if probs is not None:
-            self.probs = given
-            self.logits = _logits_from_probs(given)
-        else:
-            self.logits = given
+        self.logits, given_probs = logits_argument(logits, probs, "PoissonBinomial")
+        if given_probs is not None:
+            self.probs = given_probs
         super().__init__(self.logits.shape[:-1], torch.Size(), validate_args=validate_args)
 
     @property
@@ -288,7 +264,7 @@ class PoissonBinomial(TorchDistribution):
 
     @lazy_property
     def _forced_on(self) -> torch.Tensor:
-        return (self.logits == torch.inf).sum(-1)
+        return forced_counts(self.logits)[0]
 
     @lazy_property
     def _kernel_logits(self) -> torch.Tensor:

@@ -26,17 +26,23 @@ __all__ = [
     "LCN_CASES",
     "BadParameters",
     "Case",
+    "CCB_CASES",
     "EXPECTED_ARG_EVENT_DIM",
+    "PB_CASES",
 ]
 
 EKB = "ExactlyKBernoulli"
 LCN = "LinearConstrainedNormal"
 CP = "ConditionedPoisson"
+PB = "PoissonBinomial"
+CCB = "CountConstrainedBernoulli"
 
 # Decision 1 of issue 15: the event_dim of every parameter constraint.
 EXPECTED_ARG_EVENT_DIM = {
     EKB: {"logits": 1, "probs": 1, "k": 0},
     CP: {"rate": 1, "k": 0},
+    PB: {"logits": 1, "probs": 1},
+    CCB: {"logits": 1, "probs": 1, "low": 0, "high": 0},
     LCN: {
         "loc": 1,
         "scale": 1,
@@ -69,7 +75,11 @@ class Case:
 
     @property
     def n(self) -> int:
-        return self.event_shape[-1]
+        """The event size, or for ``PoissonBinomial`` (event shape ``()``) the number of
+        Bernoullis whose ones it counts."""
+        if self.event_shape:
+            return self.event_shape[-1]
+        return np.shape(self.kwargs.get("logits", self.kwargs.get("probs")))[-1]
 
     @property
     def is_discrete(self) -> bool:
@@ -224,7 +234,84 @@ LCN_CASES = [
     ),
 ]
 
-ALL_CASES = EKB_CASES + LCN_CASES + CP_CASES
+
+def _masked(logits, on=(), off=()):
+    """``logits`` with ``+inf`` (forced on) at the (row, column) pairs ``on`` and ``-inf``
+    (forced off) at ``off``."""
+    for index in on:
+        logits[index] = np.inf
+    for index in off:
+        logits[index] = -np.inf
+    return logits
+
+
+def _edge_probs(shape, zeros, ones, dtype="float32"):
+    """Probabilities in [0.1, 0.9] with exact 0 at the pairs ``zeros``, exact 1 at ``ones``."""
+    probs = _f(shape, dtype, low=0.1, high=0.9)
+    for index in zeros:
+        probs[index] = 0.0
+    for index in ones:
+        probs[index] = 1.0
+    return probs
+
+
+# PoissonBinomial: event shape () (a count), batch shape logits.shape[:-1].
+PB_CASES = [
+    Case(PB, "pb-unbatched", {"logits": _f((5,))}, (), ()),
+    # Rows without masks, with one forced on and one forced off, with one forced off.
+    Case(
+        PB,
+        "pb-batched-masked",
+        {"logits": _masked(_f((3, 5)), on=[(1, 0)], off=[(1, 3), (2, 1)])},
+        (3,),
+        (),
+    ),
+    # Exact probabilities 0 and 1 (masks given as probs).
+    Case(PB, "pb-probs", {"probs": _edge_probs((2, 4), [(0, 0)], [(1, 2)])}, (2,), ()),
+    Case(PB, "pb-float64", {"logits": _f((2, 1, 5), "float64")}, (2, 1), (), "float64"),
+]
+
+# CountConstrainedBernoulli: at most (high), at least (low), per-batch and broadcast bounds,
+# masks narrowing the range, probs with exact 0 and 1, float64.
+CCB_CASES = [
+    Case(CCB, "ccb-at-most", {"logits": _f((5,)), "high": 2}, (), (5,)),
+    Case(CCB, "ccb-at-least", {"logits": _f((2, 5)), "low": 3}, (2,), (5,)),
+    Case(
+        CCB,
+        "ccb-per-batch-masked",
+        {
+            "logits": _masked(_f((3, 5)), on=[(1, 0)], off=[(1, 3), (2, 1)]),
+            "low": np.array([0, 1, 2]),
+            "high": np.array([2, 3, 5]),
+        },
+        (3,),
+        (5,),
+    ),
+    Case(
+        CCB,
+        "ccb-bounds-broadcast",
+        {"logits": _f((3, 4)), "low": np.array([[0], [2]]), "high": 3},
+        (2, 3),
+        (4,),
+    ),
+    Case(
+        CCB,
+        "ccb-probs",
+        {"probs": _edge_probs((2, 4), [(0, 0)], [(1, 2)]), "low": 1, "high": 2},
+        (2,),
+        (4,),
+    ),
+    Case(
+        CCB,
+        "ccb-float64",
+        {"logits": _f((2, 5), "float64"), "low": np.array([1, 0]), "high": np.array([4, 2])},
+        (2,),
+        (5,),
+        "float64",
+    ),
+]
+
+ALL_CASES = EKB_CASES + LCN_CASES + CP_CASES + PB_CASES + CCB_CASES
 
 
 @dataclass(frozen=True)
@@ -281,6 +368,34 @@ BAD_PARAMETERS = [
     BadParameters(CP, "cp-k-bool", {"rate": _R4, "k": True}, always=True),
     BadParameters(
         CP, "cp-k-shape", {"rate": np.stack([_R4] * 3), "k": np.array([1, 2])}, always=True
+    ),
+    BadParameters(PB, "pb-probs-above-1", {"probs": np.array([0.2, 1.5, 0.3], "float32")}),
+    BadParameters(PB, "pb-logits-nan", {"logits": np.array([0.2, np.nan, 0.3], "float32")}),
+    BadParameters(PB, "pb-logits-scalar", {"logits": np.float32(0.3)}, always=True),
+    BadParameters(CCB, "ccb-low-above-high", {"logits": _L4, "low": 3, "high": 2}),
+    BadParameters(CCB, "ccb-high-above-n", {"logits": _L4, "high": 5}),
+    BadParameters(CCB, "ccb-low-negative", {"logits": _L4, "low": -1}),
+    BadParameters(
+        CCB,
+        "ccb-per-batch-low-above-high",
+        {"logits": np.stack([_L4, _L4]), "low": np.array([1, 3]), "high": np.array([2, 2])},
+    ),
+    # Two variables forced on leave no count in 0..1.
+    BadParameters(
+        CCB,
+        "ccb-masks-infeasible",
+        {"logits": np.array([np.inf, np.inf, 0.0, 0.0], "float32"), "high": 1},
+    ),
+    BadParameters(
+        CCB, "ccb-probs-nan", {"probs": np.array([0.2, np.nan, 0.3, 0.4], "float32"), "high": 2}
+    ),
+    BadParameters(CCB, "ccb-low-not-whole", {"logits": _L4, "low": 1.5}, always=True),
+    BadParameters(CCB, "ccb-high-bool", {"logits": _L4, "high": True}, always=True),
+    BadParameters(
+        CCB,
+        "ccb-bounds-shape",
+        {"logits": np.stack([_L4] * 3), "low": np.array([1, 2])},
+        always=True,
     ),
     BadParameters(LCN, "lcn-scale-negative", {"loc": _L4, "scale": -_S4}),
     BadParameters(

@@ -1,5 +1,5 @@
 """NumPyro's generic distribution battery (``test/test_distributions.py`` of pyro-ppl/numpyro),
-ported to the three classes of ``numpyro_constrained``.
+ported to the classes of ``numpyro_constrained``.
 
 Every test is parametrised over the settings of ``tests/conformance_cases.py`` (unbatched,
 batched, per-batch and broadcast ``k``, ``k = 0``, ``k = n``, every covariance form of
@@ -30,14 +30,22 @@ from numpyro.distributions import constraints
 from numpyro.distributions.batch_util import promote_batch_shape, vmap_over
 from numpyro.distributions.transforms import biject_to
 
-from numpyro_constrained import ConditionedPoisson, ExactlyKBernoulli, LinearConstrainedNormal
+from numpyro_constrained import (
+    ConditionedPoisson,
+    CountConstrainedBernoulli,
+    ExactlyKBernoulli,
+    LinearConstrainedNormal,
+    PoissonBinomial,
+)
 from tests.conformance_cases import (
     ALL_CASES,
     BAD_PARAMETERS,
+    CCB,
     CP,
     EKB,
     EXPECTED_ARG_EVENT_DIM,
     LCN,
+    PB,
     Case,
 )
 
@@ -54,7 +62,13 @@ USER_CONFIG_TESTS = {
     "test_sample_gradient",
     "test_support",
 }
-CLASSES = {EKB: ExactlyKBernoulli, LCN: LinearConstrainedNormal, CP: ConditionedPoisson}
+CLASSES = {
+    EKB: ExactlyKBernoulli,
+    LCN: LinearConstrainedNormal,
+    CP: ConditionedPoisson,
+    PB: PoissonBinomial,
+    CCB: CountConstrainedBernoulli,
+}
 
 
 # The expensive tests (many jit / vmap compilations per case; test_dist_shape covers every
@@ -62,6 +76,10 @@ CLASSES = {EKB: ExactlyKBernoulli, LCN: LinearConstrainedNormal, CP: Conditioned
 # per-batch k (k = 0 and k = n inside a batch) or an explicit multi-row A / full covariance,
 # and the float64 setting.
 CORE_IDS = (
+    "pb-batched-masked",
+    "pb-float64",
+    "ccb-per-batch-masked",
+    "ccb-float64",
     "ekb-unbatched",
     "ekb-per-batch-k",
     "ekb-float64",
@@ -76,6 +94,8 @@ CORE_CASES = [case for case in ALL_CASES if case.id in CORE_IDS]
 # The costliest (gradients through samples, many vmaps, jit of every method): float32 only,
 # per class an unbatched and a batched setting (per-batch k; multi-row and batched A).
 SMALL_IDS = (
+    "pb-batched-masked",
+    "ccb-per-batch-masked",
     "ekb-unbatched",
     "ekb-per-batch-k",
     "lcn-A",
@@ -103,17 +123,32 @@ MOMENT_CASES = [
         "lcn-batched-A-cov",
         "cp-per-batch-k",
         "cp-float64",
+        "pb-batched-masked",
+        "pb-probs",
+        "ccb-per-batch-masked",
+        "ccb-probs",
     )
 ]
 # vmap_dist: a setting per class that once showed a vmap problem, and LCN's batched A.
 VMAP_CASES = [
     case
     for case in ALL_CASES
-    if case.id in ("ekb-unbatched", "lcn-A", "lcn-batched-A-cov", "cp-per-batch-k")
+    if case.id
+    in (
+        "ekb-unbatched",
+        "lcn-A",
+        "lcn-batched-A-cov",
+        "cp-per-batch-k",
+        "pb-batched-masked",
+        "ccb-per-batch-masked",
+    )
 ]
 # Float64 finite differences: a float32 setting is cast, sharing compilations with the
 # float64 setting of the same shapes.
 GRADIENT_IDS = (
+    "pb-batched-masked",
+    "ccb-per-batch-masked",
+    "ccb-float64",
     "ekb-per-batch-k",
     "ekb-float64",
     "lcn-A",
@@ -127,7 +162,14 @@ GRADIENT_CASES = [case for case in ALL_CASES if case.id in GRADIENT_IDS]
 ONE_PER_CLASS = [
     case
     for case in ALL_CASES
-    if case.id in ("ekb-per-batch-k", "lcn-batched-A-cov", "cp-per-batch-k")
+    if case.id
+    in (
+        "ekb-per-batch-k",
+        "lcn-batched-A-cov",
+        "cp-per-batch-k",
+        "pb-batched-masked",
+        "ccb-per-batch-masked",
+    )
 ]
 
 
@@ -137,7 +179,7 @@ def params_for(test_name: str, cases=ALL_CASES):
 
 
 def classes_for(test_name: str):
-    return [pytest.param(name, id=name) for name in (EKB, LCN, CP)]
+    return [pytest.param(name, id=name) for name in CLASSES]
 
 
 # --- helpers --------------------------------------------------------------------------------
@@ -190,6 +232,10 @@ def out_of_support(case: Case, d, value):
         return value.at[..., 0].set(1.0 - value[..., 0])
     if case.cls == CP:
         return value.at[..., 0].add(1.0)  # the total becomes k + 1
+    if case.cls == PB:
+        return value + 0.5  # not a whole number
+    if case.cls == CCB:
+        return value.at[..., 0].set(0.5)  # not binary
     # LCN: move along the first row of A, which changes (A z)_0 by |A_0|^2 > 0.
     A = jnp.asarray(case.params().get("A", np.ones((1, case.n), value.dtype)))
     return value + A[..., 0, :].astype(value.dtype)
@@ -336,11 +382,14 @@ def test_wrong_value_shape(case):
     dims do not broadcast with the batch shape, is a ValueError naming the expected shape,
     eagerly and under jit (shapes are static)."""
     d = build(case)
-    bad_event = np.zeros(case.batch_shape + (case.n + 1,), case.dtype)
-    with pytest.raises(ValueError, match="shape"):
-        d.log_prob(bad_event)
-    with pytest.raises(ValueError, match="shape"):
-        jax.jit(d.log_prob)(bad_event)
+    # PoissonBinomial's event shape is (): an extra trailing dim is a sample dim there, and
+    # only the batch dims can mismatch.
+    if case.event_shape:
+        bad_event = np.zeros(case.batch_shape + (case.n + 1,), case.dtype)
+        with pytest.raises(ValueError, match="shape"):
+            d.log_prob(bad_event)
+        with pytest.raises(ValueError, match="shape"):
+            jax.jit(d.log_prob)(bad_event)
     if case.batch_shape:
         bad_batch_shape = (case.batch_shape[0] + 1,) + case.batch_shape[1:]
         bad_batch = np.zeros(bad_batch_shape + case.event_shape, case.dtype)
@@ -353,6 +402,11 @@ def test_wrong_value_shape(case):
 
 @pytest.mark.parametrize("case", params_for("test_has_rsample"))
 def test_has_rsample(case):
+    if case.cls == PB:
+        pytest.skip(
+            "PoissonBinomial has no sample gradient: its value is an integer count (a "
+            "likelihood of observed counts, whose gradients come through log_prob)"
+        )
     d = build(case)
     # API.md: every class carries a sample gradient (NumPyro: `sample` itself, with
     # `reparametrized_params` set).
@@ -621,7 +675,7 @@ def test_get_args(case):
 def test_support(case, prepend_shape):
     d = build(case)
     support = d.support
-    assert support.event_dim == 1
+    assert support.event_dim == len(case.event_shape)
     assert support.is_discrete == case.is_discrete
     assert d.is_discrete == case.is_discrete
     samples = d.sample(key(1), prepend_shape)
@@ -716,13 +770,19 @@ def test_whole_number_float_k(case):
 
 @pytest.mark.parametrize("cls_name", classes_for("test_explicit_validate_args"))
 def test_explicit_validate_args(cls_name):
-    valid = {EKB: CASE["ekb-per-batch-k"], LCN: CASE["lcn-diag"], CP: CASE["cp-per-batch-k"]}[
-        cls_name
-    ]
+    valid = {
+        EKB: CASE["ekb-per-batch-k"],
+        LCN: CASE["lcn-diag"],
+        CP: CASE["cp-per-batch-k"],
+        PB: CASE["pb-batched-masked"],
+        CCB: CASE["ccb-per-batch-masked"],
+    }[cls_name]
     invalid = {
         EKB: {"probs": np.array([0.2, 1.5, 0.3, 0.4], "float32"), "k": 2},
         LCN: {"loc": np.zeros(4, "float32"), "scale": -np.ones(4, "float32")},
         CP: {"rate": -np.ones(4, "float32"), "k": 2},
+        PB: {"probs": np.array([0.2, 1.5, 0.3, 0.4], "float32")},
+        CCB: {"probs": np.array([0.2, 1.5, 0.3, 0.4], "float32"), "high": 2},
     }[cls_name]
     cls = CLASSES[cls_name]
     build(valid, validate_args=False).validate_args()
@@ -742,6 +802,8 @@ def test_k_max(cls_name):
     ``k`` under it gives the eager results."""
     if cls_name == LCN:
         pytest.skip("LCN's k is a real right-hand side: there is no count to bound")
+    if cls_name in (PB, CCB):
+        pytest.skip(f"{cls_name} takes no k_max: its bounds are parameters, not a static size")
     case = {EKB: CASE["ekb-per-batch-k"], CP: CASE["cp-per-batch-k"]}[cls_name]
     cls = CLASSES[cls_name]
     params = case.params()

@@ -7,8 +7,9 @@ expand / subsequent expands / expand errors / expanded ``to_event``; ``test_pick
 ``test/distributions/test_distributions.py`` (``test_params_constraints``,
 ``test_support_constraints``, ``test_support_attributes``, ``test_distribution_expand``,
 ``test_rsample_requires_grad``, ``test_enumerate_support_type``), parametrised over
-``ExactlyKBernoulli`` (EKB), ``LinearConstrainedNormal`` (LCN) and ``ConditionedPoisson``
-(CP) with several settings each (see ``CASES``), float32 by default plus float64 cases.
+``ExactlyKBernoulli`` (EKB), ``LinearConstrainedNormal`` (LCN), ``ConditionedPoisson``
+(CP), ``PoissonBinomial`` (PB) and ``CountConstrainedBernoulli`` (CCB) with several
+settings each (see ``CASES``), float32 by default plus float64 cases.
 
 Beyond the upstream shape checks, every number is compared with an independent expectation:
 values in the support are built by hand (the first k coordinates on; a projection computed
@@ -42,9 +43,16 @@ from pyro.distributions import TorchDistribution
 from torch.distributions import constraints, kl_divergence
 from torch.distributions.utils import _sum_rightmost
 
-from pyro_constrained import ConditionedPoisson, ExactlyKBernoulli, LinearConstrainedNormal
+from pyro_constrained import (
+    ConditionedPoisson,
+    CountConstrainedBernoulli,
+    ExactlyKBernoulli,
+    LinearConstrainedNormal,
+    PoissonBinomial,
+)
 
 EKB, LCN, CP = ExactlyKBernoulli, LinearConstrainedNormal, ConditionedPoisson
+PB, CCB = PoissonBinomial, CountConstrainedBernoulli
 
 # Monte Carlo checks: an estimate must lie within SIGMAS standard errors (estimated from
 # the same samples) of the exact value, plus a tiny absolute slack for exact zeros.
@@ -56,12 +64,16 @@ PARAM_EVENT_DIMS = {
     EKB: {"logits": 1, "probs": 1, "k": 0},
     LCN: {"loc": 1, "scale": 1, "covariance_matrix": 2, "scale_tril": 2, "A": 2, "k": 1},
     CP: {"rate": 1, "k": 0},
+    PB: {"logits": 1, "probs": 1},
+    CCB: {"logits": 1, "probs": 1, "low": 0, "high": 0},
 }
 # Parameters that must appear in ``arg_constraints`` (covariance_matrix may, too).
 REQUIRED_CONSTRAINTS = {
     EKB: ("logits", "probs", "k"),
     LCN: ("loc", "scale", "scale_tril", "A", "k"),
     CP: ("rate", "k"),
+    PB: ("logits", "probs"),
+    CCB: ("logits", "probs", "low", "high"),
 }
 # Parameters a log-density is smooth in, for the finite-difference gradient check (LCN's A
 # and k move the support itself, and the counts are integers).
@@ -69,6 +81,8 @@ SMOOTH_PARAMS = {
     EKB: ("logits", "probs"),
     LCN: ("loc", "scale", "covariance_matrix", "scale_tril"),
     CP: ("rate",),
+    PB: ("logits", "probs"),
+    CCB: ("logits", "probs"),
 }
 
 
@@ -124,6 +138,33 @@ _A_2x5 = [[1.0, 1.0, 1.0, 1.0, 1.0], [1.0, -1.0, 0.5, 0.0, 2.0]]
 _A_2x4 = [[1.0, 1.0, 1.0, 1.0], [0.0, 1.0, -1.0, 0.5]]
 
 _F64 = torch.float64
+
+
+def _masked(x, on=(), off=()):
+    """``x`` with ``+inf`` (forced on) at the indices ``on`` and ``-inf`` (forced off) at
+    ``off``: the same masks whatever the seed, so two seeds share a support."""
+    x = x.clone()
+    for index in on:
+        x[index] = math.inf
+    for index in off:
+        x[index] = -math.inf
+    return x
+
+
+def _edge_probs(g, *shape, dtype, zeros=(), ones=()):
+    """Probabilities in [0.1, 0.9] with exact 0 at ``zeros`` and exact 1 at ``ones``."""
+    probs = 0.1 + 0.8 * torch.rand(shape, generator=g, dtype=dtype)
+    for index in zeros:
+        probs[index] = 0.0
+    for index in ones:
+        probs[index] = 1.0
+    return probs
+
+
+def _masked_rows(g, t):
+    # Rows without masks, with one forced on and one forced off, with one forced off.
+    return _masked(_randn(g, 3, 5, dtype=t), on=[(1, 0)], off=[(1, 3), (2, 1)])
+
 
 CASES = [
     # ExactlyKBernoulli
@@ -238,6 +279,55 @@ CASES = [
         lambda g, t: {"rate": _positive(g, 2, 4, dtype=t), "k": torch.tensor([1, 3])},
         dtype=_F64,
     ),
+    # PoissonBinomial (event shape (): a count)
+    Case("pb-unbatched", PB, lambda g, t: {"logits": _randn(g, 5, dtype=t)}),
+    Case("pb-batched-masked", PB, lambda g, t: {"logits": _masked_rows(g, t)}),
+    Case(
+        "pb-probs",  # exact probabilities 0 and 1
+        PB,
+        lambda g, t: {"probs": _edge_probs(g, 2, 4, dtype=t, zeros=[(0, 0)], ones=[(1, 2)])},
+    ),
+    Case("pb-f64", PB, lambda g, t: {"logits": _randn(g, 2, 1, 5, dtype=t)}, dtype=_F64),
+    # CountConstrainedBernoulli
+    Case("ccb-at-most", CCB, lambda g, t: {"logits": _randn(g, 5, dtype=t), "high": 2}),
+    Case("ccb-at-least", CCB, lambda g, t: {"logits": _randn(g, 2, 5, dtype=t), "low": 3}),
+    Case(
+        "ccb-per-batch-masked",
+        CCB,
+        lambda g, t: {
+            "logits": _masked_rows(g, t),
+            "low": torch.tensor([0, 1, 2]),
+            "high": torch.tensor([2, 3, 5]),
+        },
+    ),
+    Case(
+        "ccb-bounds-broadcast",  # batch (2, 3) from the bounds and the logits
+        CCB,
+        lambda g, t: {
+            "logits": _randn(g, 3, 4, dtype=t),
+            "low": torch.tensor([[0], [2]]),
+            "high": 3,
+        },
+    ),
+    Case(
+        "ccb-probs",
+        CCB,
+        lambda g, t: {
+            "probs": _edge_probs(g, 2, 4, dtype=t, zeros=[(0, 0)], ones=[(1, 2)]),
+            "low": 1,
+            "high": 2,
+        },
+    ),
+    Case(
+        "ccb-f64",
+        CCB,
+        lambda g, t: {
+            "logits": _randn(g, 2, 5, dtype=t),
+            "low": torch.tensor([1, 0]),
+            "high": torch.tensor([4, 2]),
+        },
+        dtype=_F64,
+    ),
 ]
 CASE_IDS = [case.id for case in CASES]
 CASES_BY_ID = {case.id: case for case in CASES}
@@ -270,11 +360,28 @@ def _counts(case: Case, batch_shape) -> torch.Tensor:
     return torch.as_tensor(case.params()["k"]).expand(batch_shape)
 
 
+def _forced(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    """(forced on, forced off) masks of a PB / CCB case, from its parameters."""
+    params = case.params()
+    if "probs" in params:
+        return params["probs"] == 1, params["probs"] == 0
+    return params["logits"] == math.inf, params["logits"] == -math.inf
+
+
+def _bounds(case: Case, batch_shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """(low, high) of a CCB case broadcast to the batch (defaults 0 and n)."""
+    params = case.params()
+    n = _forced(case)[0].shape[-1]
+    low, high = params.get("low", 0), params.get("high", n)
+    return torch.as_tensor(low).expand(batch_shape), torch.as_tensor(high).expand(batch_shape)
+
+
 def _valid_value(case: Case, d, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A point of the support built without the library: EKB the first k coordinates on,
-    CP all k counts in the first category, LCN a random point projected onto ``A z = k``
-    with a float64 pseudo-inverse; in ``dtype`` (default the case's)."""
-    n = d.event_shape[0]
+    CP all k counts in the first category, PB the count of the forced ones, CCB the forced
+    ones and then the first free ones up to ``low``, LCN a random point projected onto
+    ``A z = k`` with a float64 pseudo-inverse; in ``dtype`` (default the case's)."""
+    n = d.event_shape[0] if d.event_shape else _forced(case)[0].shape[-1]
     params = case.params()
     if case.cls is EKB:
         k = _counts(case, d.batch_shape)
@@ -284,6 +391,16 @@ def _valid_value(case: Case, d, dtype: torch.dtype | None = None) -> torch.Tenso
         value = torch.zeros(d.batch_shape + (n,), dtype=case.dtype)
         value[..., 0] = k.to(case.dtype)
         return value
+    if case.cls is PB:  # every free Bernoulli off: the count of the forced ones
+        on, _ = _forced(case)
+        return on.sum(-1).to(case.dtype).expand(d.batch_shape)
+    if case.cls is CCB:  # the forced ones, then the first free ones up to max(low, forced)
+        on, off = _forced(case)
+        on, off = on.expand(d.shape()), off.expand(d.shape())
+        low, _ = _bounds(case, d.batch_shape)
+        free = ~on & ~off
+        wanted = torch.clamp(low - on.sum(-1), min=0)
+        return (on | (free & (free.cumsum(-1) <= wanted[..., None]))).to(case.dtype)
     A = torch.as_tensor(params.get("A", torch.ones(1, n))).double()
     k = torch.as_tensor(params.get("k", torch.zeros(A.shape[-2]))).double()
     if k.dim() == 0:
@@ -303,6 +420,21 @@ def _invalid_values(case: Case, d) -> list[torch.Tensor]:
         fractional = valid.clone()
         fractional[..., 0] = 0.5
         return [wrong_count, fractional]
+    if case.cls is PB:
+        n = _forced(case)[0].shape[-1]
+        return [valid + 0.5, torch.full_like(valid, n + 1.0), torch.full_like(valid, -1.0)]
+    if case.cls is CCB:
+        # A count outside the range: all ones where high < n, else all zeros (low > 0 in
+        # every such batch element of the cases).
+        low, high = _bounds(case, d.batch_shape)
+        n = d.event_shape[0]
+        all_ones = (high < n)[..., None].expand(d.shape())
+        wrong_count = all_ones.to(case.dtype)
+        fractional = valid.clone()
+        fractional[..., 0] = 0.5
+        two = valid.clone()
+        two[..., 0] = 2.0
+        return [wrong_count, fractional, two]
     if case.cls is CP:
         wrong_sum = valid.clone()
         wrong_sum[..., 0] += 1
@@ -414,8 +546,8 @@ def test_support_constraints(case):
     d = case.dist()
     value = d.sample()
     support = d.support
-    assert support.event_dim == len(d.event_shape) == 1
-    assert case.cls.support.event_dim == 1
+    assert support.event_dim == len(d.event_shape) == (0 if case.cls is PB else 1)
+    assert case.cls.support.event_dim == len(d.event_shape)
     assert support.is_discrete == (case.cls is not LCN)
     assert case.cls.support.is_discrete == support.is_discrete
     ok = support.check(value)
@@ -430,7 +562,8 @@ def test_support_shape(case):
     d = case.dist()
     for x in (_valid_value(case, d), _valid_value(case, d).expand((2,) + d.shape())):
         ok = d.support.check(x)
-        assert ok.shape == torch.broadcast_shapes(d.batch_shape, x.shape[: x.dim() - 1])
+        sample_and_batch = x.shape[: x.dim() - len(d.event_shape)]
+        assert ok.shape == torch.broadcast_shapes(d.batch_shape, sample_and_batch)
         assert ok.all()
     for bad in _invalid_values(case, d):
         assert not d.support.check(bad).any()
@@ -457,8 +590,7 @@ def test_infer_shapes(case):
 def test_shapes_and_dtypes(case):
     """Pyro's ``test_shapes.py``: ``shape()``, sample shapes and dtypes of every output."""
     d = case.dist()
-    n = d.event_shape[0]
-    assert d.shape() == d.batch_shape + (n,)
+    assert d.shape() == d.batch_shape + d.event_shape
     for sample_shape in [(), (2,), (2, 3)]:
         x = d.sample(sample_shape)
         assert x.shape == torch.Size(sample_shape) + d.shape()
@@ -523,6 +655,8 @@ def _indices(shape):
     "case,validate", _params("test_score_errors_event_dim_mismatch", variants=_VALIDATE)
 )
 def test_score_errors_event_dim_mismatch(case, validate):
+    if case.cls is PB:
+        pytest.skip("event shape (): an extra trailing dim of a count is a batch dim")
     d = case.dist(validate_args=validate)
     wrong = torch.ones(d.shape() + (1,), dtype=case.dtype)
     with pytest.raises(ValueError):
@@ -538,6 +672,8 @@ def test_score_errors_event_dim_mismatch(case, validate):
 def test_score_errors_non_broadcastable_data_shape(case, validate):
     d = case.dist(validate_args=validate)
     shape = d.shape()
+    if not shape:
+        pytest.skip("shape (): every value shape broadcasts")
     non_broadcastable = (shape[0] + 1,) + shape[1:]
     with pytest.raises(ValueError):
         d.log_prob(torch.ones(non_broadcastable, dtype=case.dtype))
@@ -633,7 +769,7 @@ def test_expand_reshaped_distribution(case, extra_event_dims):
     d = case.dist()
     full_shape = torch.Size([4, 1, 1]) + d.batch_shape + d.event_shape
     reshaped = d.expand_by([4, 1, 1]).to_event(extra_event_dims)
-    cut = len(full_shape) - 1 - extra_event_dims
+    cut = len(full_shape) - len(d.event_shape) - extra_event_dims
     batch_shape, event_shape = full_shape[:cut], full_shape[cut:]
     assert reshaped.batch_shape == batch_shape
     assert reshaped.event_shape == event_shape
@@ -803,6 +939,11 @@ def test_independent(case):
 def test_rsample(case):
     """``has_rsample``; rsample shapes, support and dtype; gradient to every float
     parameter (torch's ``test_rsample_requires_grad``); ``sample`` carries no gradient."""
+    if case.cls is PB:
+        pytest.skip(
+            "PoissonBinomial has no rsample: its value is an integer count (a likelihood of "
+            "observed counts, whose gradients come through log_prob)"
+        )
     assert case.cls.has_rsample
     params = case.params()
     leaves = {}
@@ -867,16 +1008,13 @@ def test_enumerate_support(case):
             d.enumerate_support()
         return
     assert case.cls is not LCN
-    k = _counts(case, d.batch_shape)
-    if k.numel() and not (k == k.reshape(-1)[0]).all():
+    expected_size = _support_size(case, d)
+    if expected_size is None:
         with pytest.raises((ValueError, NotImplementedError)):
             d.enumerate_support()
         return
     support = d.enumerate_support()
     size = support.shape[0]
-    n = d.event_shape[0]
-    kk = int(k.reshape(-1)[0]) if k.numel() else 0
-    expected_size = math.comb(n, kk) if case.cls is EKB else math.comb(n + kk - 1, kk)
     assert size == expected_size
     assert support.shape == (size,) + d.batch_shape + d.event_shape
     assert type(support) is type(d.sample())
@@ -887,6 +1025,28 @@ def test_enumerate_support(case):
     assert d.support.check(support).all()
     total = torch.logsumexp(d.log_prob(support).double(), 0)
     torch.testing.assert_close(total, torch.zeros_like(total), atol=1e-5, rtol=0)
+
+
+def _support_size(case: Case, d) -> int | None:
+    """The number of points of the one support shared by the batch (PB: the counts 0..n,
+    in every case), or None where the batch elements' supports differ (EKB / CP: k, CCB:
+    the bounds or the masks vary), which ``enumerate_support`` refuses."""
+    if case.cls is PB:
+        return _forced(case)[0].shape[-1] + 1
+    if case.cls is CCB:
+        on, off = (mask.expand(d.shape()).reshape(-1, d.event_shape[0]) for mask in _forced(case))
+        low, high = (bound.reshape(-1) for bound in _bounds(case, d.batch_shape))
+        same = (on == on[:1]).all() and (off == off[:1]).all()
+        if not (same and (low == low[0]).all() and (high == high[0]).all()):
+            return None
+        forced, free = int(on[0].sum()), int((~on[0] & ~off[0]).sum())
+        return sum(math.comb(free, k - forced) for k in range(int(low[0]), int(high[0]) + 1))
+    k = _counts(case, d.batch_shape)
+    if k.numel() and not (k == k.reshape(-1)[0]).all():
+        return None
+    n = d.event_shape[0]
+    kk = int(k.reshape(-1)[0]) if k.numel() else 0
+    return math.comb(n, kk) if case.cls is EKB else math.comb(n + kk - 1, kk)
 
 
 # ------------------------------------------------------------------------------------------
@@ -928,6 +1088,36 @@ def _bad_parameters():
         ("cp-rate-inf", CP, {"rate": torch.tensor([1.0, math.inf, 1.0, 1.0]), "k": 2}, True),
         ("cp-k-negative", CP, {"rate": rate, "k": -1}, True),
         ("cp-per-batch-k-negative", CP, {"rate": rate, "k": torch.tensor([2, -1])}, True),
+        ("pb-logits-nan", PB, {"logits": nan_logits}, True),
+        ("pb-probs-above-one", PB, {"probs": torch.tensor([0.2, 1.5, 0.3, 0.4])}, True),
+        ("pb-probs-negative", PB, {"probs": torch.tensor([0.2, -0.5, 0.3, 0.4])}, True),
+        ("pb-logits-scalar", PB, {"logits": torch.tensor(0.3)}, False),
+        ("ccb-low-above-high", CCB, {"logits": logits, "low": 3, "high": 2}, True),
+        ("ccb-high-above-n", CCB, {"logits": logits, "high": 5}, True),
+        ("ccb-low-negative", CCB, {"logits": logits, "low": -1}, True),
+        (
+            "ccb-per-batch-low-above-high",
+            CCB,
+            {"logits": logits, "low": torch.tensor([1, 3]), "high": torch.tensor([2, 2])},
+            True,
+        ),
+        # Two variables forced on leave no count in 0..1.
+        (
+            "ccb-masks-infeasible",
+            CCB,
+            {"logits": torch.tensor([math.inf, math.inf, 0.0, 0.0]), "high": 1},
+            True,
+        ),
+        ("ccb-logits-nan", CCB, {"logits": nan_logits, "high": 2}, True),
+        ("ccb-probs-above-one", CCB, {"probs": torch.tensor([0.2, 1.5, 0.3, 0.4])}, True),
+        ("ccb-low-not-whole", CCB, {"logits": logits, "low": 1.5}, False),
+        ("ccb-high-bool", CCB, {"logits": logits, "high": True}, False),
+        (
+            "ccb-bounds-shape",
+            CCB,
+            {"logits": logits.expand(3, 4), "low": torch.tensor([1, 2])},
+            False,
+        ),
     ]
 
 
@@ -1065,6 +1255,11 @@ def test_log_prob_gradcheck(case):
                 tensor = 0.5 * (tensor + tensor.mT)
             elif name == "scale_tril":
                 tensor = torch.tril(tensor)
+            elif name == "probs":
+                # Exact 0 and 1 are boundaries (a finite difference would step outside
+                # [0, 1]): held there, while the interior probabilities are checked.
+                edge = (params[name] == 0) | (params[name] == 1)
+                tensor = torch.where(edge, params[name], tensor)
             kwargs[name] = tensor
         return case.cls(**kwargs, validate_args=False).log_prob(value)
 

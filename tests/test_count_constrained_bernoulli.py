@@ -67,13 +67,17 @@ def test_against_enumeration(dtype):
         mean, entropy, mode, counts = map(
             as_np, (d.mean, d.entropy(), d.mode, d.count_distribution)
         )
-        for b in range(len(LOGITS)):
-            vectors, log_p = _brute(LOGITS[b], LOW[b], HIGH[b])
+        supports = [_brute(LOGITS[b], LOW[b], HIGH[b]) for b in range(len(LOGITS))]
+        # Every batch element's support in one call (one shape, one compilation in JAX):
+        # the shorter supports padded with their first vector.
+        size = max(len(vectors) for vectors, _ in supports)
+        values = np.stack(
+            [np.concatenate([v, np.repeat(v[:1], size - len(v), 0)]) for v, _ in supports], 1
+        )
+        scores = as_np(d.log_prob(as_array(values.astype(dtype))))
+        for b, (vectors, log_p) in enumerate(supports):
             p = np.exp(log_p)
-            values = np.zeros((len(vectors),) + LOGITS.shape)
-            values[:, b] = vectors
-            got = as_np(d.log_prob(as_array(values.astype(dtype))))[:, b]
-            np.testing.assert_allclose(got, log_p, rtol=rtol, atol=rtol)
+            np.testing.assert_allclose(scores[: len(vectors), b], log_p, rtol=rtol, atol=rtol)
             np.testing.assert_allclose(mean[b], p @ vectors, rtol=rtol, atol=rtol * 1e-3)
             np.testing.assert_allclose(entropy[b], -(p * log_p).sum(), rtol=rtol, atol=rtol)
             np.testing.assert_array_equal(mode[b], vectors[np.argmax(log_p)])
@@ -187,3 +191,89 @@ def test_jax_float32_without_x64():
     np.testing.assert_allclose(got, log_p, rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(mean, p @ vectors, rtol=2e-5, atol=1e-7)
     assert entropy == pytest.approx(-(p * log_p).sum(), rel=2e-5, abs=2e-6)
+
+
+def test_expected_losses_against_enumeration():
+    """The closed-form expected L1 and L2 losses against the average over the enumerated
+    support (real targets, inside and outside [0, 1]), torch and JAX alike, and the
+    gradient of the L2 loss in the logits against finite differences of the enumeration."""
+    from numpyro_constrained.losses import expected_l1_loss as jax_l1
+    from numpyro_constrained.losses import expected_l2_loss as jax_l2
+    from pyro_constrained.losses import expected_l1_loss, expected_l2_loss
+
+    target = np.random.default_rng(4).uniform(-0.5, 1.5, size=LOGITS.shape)
+    expected = np.zeros((2, len(LOGITS)))
+    for b in range(len(LOGITS)):
+        vectors, log_p = _brute(LOGITS[b], LOW[b], HIGH[b])
+        p = np.exp(log_p)
+        expected[0, b] = p @ np.abs(vectors - target[b]).sum(-1)
+        expected[1, b] = p @ ((vectors - target[b]) ** 2).sum(-1)
+    (t, _, _), (j, _, _) = _frameworks()
+    got_torch = [f(t, torch.tensor(target)).numpy() for f in (expected_l1_loss, expected_l2_loss)]
+    got_jax = [np.asarray(f(j, jnp.asarray(target))) for f in (jax_l1, jax_l2)]
+    np.testing.assert_allclose(got_torch, expected, rtol=1e-12)
+    np.testing.assert_allclose(got_jax, expected, rtol=1e-12)
+
+    # The bounds of test_gradients_against_finite_differences: JAX reuses its compilations.
+    logits, low, high, y = LOGITS[0], 2, 4, target[0]
+
+    def loss(x):
+        vectors, log_p = _brute(x, low, high)
+        return np.exp(log_p) @ ((vectors - y) ** 2).sum(-1)
+
+    step = 1e-6
+    fd = np.array([(loss(logits + e) - loss(logits - e)) / (2 * step) for e in np.eye(6) * step])
+    x = torch.tensor(logits, requires_grad=True)
+    d = pc.CountConstrainedBernoulli(logits=x, low=low, high=high)
+    expected_l2_loss(d, torch.tensor(y)).backward()
+    np.testing.assert_allclose(x.grad.numpy(), fd, atol=1e-8)
+    grad = jax.grad(
+        lambda x: jax_l2(nc.CountConstrainedBernoulli(logits=x, low=low, high=high), y)
+    )(jnp.asarray(logits))
+    np.testing.assert_allclose(grad, fd, atol=1e-8)
+
+
+def test_empty_range_without_validation():
+    # low > high (the last batch element) with validation off: log_prob -inf, marginals and
+    # entropy NaN there, the other elements unaffected (NumPyro's log_prob raised from
+    # inside ExactlyKBernoulli: the placeholder count exceeded k_max). The stacked shapes are
+    # those of test_against_enumeration, so JAX reuses its compilations.
+    low, high = np.array([0, 2, 5]), np.array([3, 4, 2])
+    value = np.zeros(LOGITS.shape)
+    value[:, :3] = 1.0
+    value[1, 4] = 0.0  # (forced off there)
+    for d, as_np, as_array in _frameworks(low=low, high=high):
+        log_prob = as_np(d.log_prob(as_array(value)))
+        assert log_prob[2] == -np.inf and np.all(np.isfinite(log_prob[:2]))
+        assert np.all(np.isnan(as_np(d.mean)[2])) and np.all(np.isfinite(as_np(d.mean)[:2]))
+        assert np.isnan(as_np(d.entropy())[2])
+
+
+def test_gradient_in_probs_with_exact_zeros_and_ones():
+    # Exact 0 and 1 force a variable off / on; the gradient in the other probabilities is
+    # that of the enumerated law, with no NaN from log(0) (it was NaN wherever they were).
+    # n = 6 and a range of three counts, as test_gradients_against_finite_differences: JAX
+    # reuses its compilations.
+    probs = np.array([0.0, 1.0, 0.3, 0.7, 1.0, 0.5])
+    value = np.array([0.0, 1.0, 1.0, 0.0, 1.0, 0.0])
+    interior = (probs > 0) & (probs < 1)
+
+    def log_p(p):
+        with np.errstate(divide="ignore"):
+            logits = np.log(p) - np.log1p(-p)
+        vectors, log_probs = _brute(logits, 2, 4)
+        return log_probs[np.flatnonzero((vectors == value).all(-1))[0]]
+
+    step = 1e-6
+    expected = np.zeros(len(probs))
+    for i in np.flatnonzero(interior):
+        e = np.eye(len(probs))[i] * step
+        expected[i] = (log_p(probs + e) - log_p(probs - e)) / (2 * step)
+    x = torch.tensor(probs, requires_grad=True)
+    pc.CountConstrainedBernoulli(probs=x, low=2, high=4).log_prob(torch.tensor(value)).backward()
+    grad_jax = jax.grad(
+        lambda p: nc.CountConstrainedBernoulli(probs=p, low=2, high=4).log_prob(value)
+    )(jnp.asarray(probs))
+    for grad in (x.grad.numpy(), np.asarray(grad_jax)):
+        assert np.all(np.isfinite(grad))
+        np.testing.assert_allclose(grad[interior], expected[interior], atol=1e-7)
