@@ -60,11 +60,11 @@ def tilt(logits: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tensor:
     gradient), x_(j) the j-th largest logit; the one that exists for k = 0 or k = the number
     of finite logits, and 0 where there is none."""
     with torch.no_grad():
-        n = logits.shape[-1]
+        n = int(logits.shape[-1])
         ordered = logits.detach().topk(min(k_max + 1, n), -1).values
         k = k.long()[:, None]
         upper = ordered.gather(-1, (k - 1).clamp(min=0))
-        lower = ordered.gather(-1, k.clamp(max=ordered.shape[-1] - 1))
+        lower = ordered.gather(-1, k.clamp(max=int(ordered.shape[-1]) - 1))
         upper = torch.where(k >= 1, upper, lower)
         lower = torch.where((k < n) & (lower > -_INF), lower, upper)
         c = -(0.5 * upper + 0.5 * lower)
@@ -74,7 +74,7 @@ def tilt(logits: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tensor:
 def _leaves(x: torch.Tensor) -> torch.Tensor:
     """(2, batch, m) log leaf tables, m = n rounded up to a power of two: the padding
     variables have logit -inf (never on), which changes nothing else."""
-    n = x.shape[-1]
+    n = int(x.shape[-1])
     size = 1 << (n - 1).bit_length()
     if size > n:
         x = F.pad(x, (0, size - n), value=-_INF)
@@ -92,8 +92,8 @@ def _pad_width(table: torch.Tensor, before: int, after: int, value=-_INF) -> tor
 
 def _convolve_terms(left, right, out_width: int, pad_value=-_INF) -> torch.Tensor:
     """Terms ``left[t] + right[j - t]``, shape (out_width, w, batch, nodes)."""
-    w = left.shape[0]
-    padded = _pad_width(right, w - 1, max(0, out_width - right.shape[0]), pad_value)
+    w = int(left.shape[0])
+    padded = _pad_width(right, w - 1, max(0, out_width - int(right.shape[0])), pad_value)
     index = torch.arange(out_width)[:, None] - torch.arange(w) + (w - 1)
     return padded[index.to(padded.device)] + left[None]
 
@@ -101,8 +101,8 @@ def _convolve_terms(left, right, out_width: int, pad_value=-_INF) -> torch.Tenso
 def _correlate_terms(outside, sibling, pad_value=-_INF) -> torch.Tensor:
     """Terms ``outside[a + t] + sibling[t]``, shape (w, w, batch, nodes), w the sibling's
     width (the child's outside entry a sums them over t)."""
-    w = sibling.shape[0]
-    padded = _pad_width(outside, 0, max(0, 2 * w - 1 - outside.shape[0]), pad_value)
+    w = int(sibling.shape[0])
+    padded = _pad_width(outside, 0, max(0, 2 * w - 1 - int(outside.shape[0])), pad_value)
     index = torch.arange(w)[:, None] + torch.arange(w)
     return padded[index.to(padded.device)] + sibling[None]
 
@@ -124,7 +124,7 @@ def _shift(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _halves(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    half = table.shape[-1] // 2
+    half = int(table.shape[-1]) // 2
     return table[..., :half], table[..., half:]
 
 
@@ -135,8 +135,8 @@ def _upward(leaves: torch.Tensor, k_max: int, lse=_logsumexp, with_log_scale: bo
     tables, weights_list = [leaves], []
     log_scale = leaves.new_zeros(leaves.shape[1], dtype=torch.float64)
     table = leaves
-    while table.shape[-1] > 1:
-        out_width = min(2 * table.shape[0] - 1, k_max + 1)
+    while int(table.shape[-1]) > 1:
+        out_width = min(2 * int(table.shape[0]) - 1, k_max + 1)
         table, weights = lse(_convolve_terms(*_halves(table), out_width))
         table, top = _shift(table)
         if with_log_scale:
@@ -147,7 +147,7 @@ def _upward(leaves: torch.Tensor, k_max: int, lse=_logsumexp, with_log_scale: bo
 
 
 def _root_outside(root: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    counts = torch.arange(root.shape[0], device=root.device)[:, None, None]
+    counts = torch.arange(int(root.shape[0]), device=root.device)[:, None, None]
     return torch.where(counts == k[:, None], 0.0, -_INF).to(root.dtype)
 
 
@@ -199,23 +199,23 @@ def _differentiable_marginals(logits: torch.Tensor, k: torch.Tensor, k_max: int)
     leaves = _leaves(x)
     tables = _upward(leaves, k_max, _safe_logsumexp)[0]
     outside = _downward(tables, k, _safe_logsumexp)[0]
-    return torch.sigmoid(_log_odds(leaves, outside, x.shape[-1]))
+    return torch.sigmoid(_log_odds(leaves, outside, int(x.shape[-1])))
 
 
 def _tangent(x, tangent, tables, up_weights, down_weights, log_odds):
     """The derivative of the log odds along ``tangent`` (batch, n), over the saved tables
     and softmax weights. Each table's shift is a constant of that table, which cancels in
     the log odds, so its derivative is left out throughout."""
-    n = x.shape[-1]
+    n = int(x.shape[-1])
     d_off = torch.where(x > 0, -tangent, 0.0)
     d_on = torch.where((x > -_INF) & (x <= 0), tangent, 0.0)
     d_leaves = torch.stack([d_off, d_on], 0)
-    size = tables[0].shape[-1]
+    size = int(tables[0].shape[-1])
     if size > n:
         d_leaves = F.pad(d_leaves, (0, size - n))
     d_tables, d_table = [d_leaves], d_leaves
     for weights in up_weights:
-        d_terms = _convolve_terms(*_halves(d_table), weights.shape[0], 0.0)
+        d_terms = _convolve_terms(*_halves(d_table), int(weights.shape[0]), 0.0)
         d_table = (weights * d_terms).sum(1)
         d_tables.append(d_table)
     d_outside = torch.zeros_like(tables[-1])
@@ -229,46 +229,50 @@ def _tangent(x, tangent, tables, up_weights, down_weights, log_odds):
 def _forward_pass(logits: torch.Tensor, k: torch.Tensor, k_max: int):
     c, x, leaves, (tables, up_terms, _) = _prepare(logits.detach(), k, k_max)
     outside, down_terms = _downward(tables, k)
-    log_odds = _log_odds(leaves, outside, x.shape[-1])
+    log_odds = _log_odds(leaves, outside, int(x.shape[-1]))
     return x, tables, up_terms, down_terms, log_odds
 
 
 class _Marginals(torch.autograd.Function):
-    """The marginals (and their complements, no gradient) with the tangent pass as their
-    vector-Jacobian product."""
+    """The marginals and their complements (no gradient), then the tensors the tangent pass
+    and the sampler use: x, the log odds, the tables (leaves first), the up- and downward
+    softmax weights. All outputs are tensors (``torch.jit.trace`` records no others)."""
 
     @staticmethod
     def forward(logits, k, k_max):
         with torch.no_grad():
-            x, tables, up_terms, down_terms, log_odds = _forward_pass(logits, k, k_max)
+            x, tables, up_weights, down_weights, log_odds = _forward_pass(logits, k, k_max)
             mu, complement = torch.sigmoid(log_odds), torch.sigmoid(-log_odds)
-        return mu, complement, x, log_odds, tables, up_terms, down_terms
+        return (mu, complement, x, log_odds, *tables, *up_weights, *down_weights)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         logits, k, k_max = inputs
-        mu, complement, x, log_odds, tables, up_terms, down_terms = output
-        ctx.mark_non_differentiable(complement, x, log_odds)
-        ctx.save_for_backward(logits, k, mu, complement, x, log_odds)
-        ctx.tables, ctx.up_terms, ctx.down_terms = tables, up_terms, down_terms
-        ctx.k_max = k_max
+        mu, complement, x, log_odds = output[:4]
+        levels = (len(output) - 5) // 3
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.save_for_backward(logits, k, mu, complement, x, log_odds, *output[4:])
+        ctx.levels, ctx.k_max = levels, k_max
 
     @staticmethod
     def backward(ctx, grad, *unused):
-        logits, k, mu, complement, x, log_odds = ctx.saved_tensors
+        logits, k, mu, complement, x, log_odds, *rest = ctx.saved_tensors
+        levels = ctx.levels
+        tables, up_weights = rest[: levels + 1], rest[levels + 1 : 2 * levels + 1]
+        down_weights = rest[2 * levels + 1 :]
         if torch.is_grad_enabled():  # create_graph: differentiable again
-            with torch.enable_grad():
-                theta = logits.detach().requires_grad_(True)
-                again = _differentiable_marginals(theta, k, ctx.k_max)
-            (vjp,) = torch.autograd.grad(again, theta, grad, create_graph=True)
+            # Recomputed from differentiable operations on the input itself, so that the
+            # result is a function of it in the graph being built.
+            again = _differentiable_marginals(logits, k, ctx.k_max)
+            (vjp,) = torch.autograd.grad(again, logits, grad, create_graph=True)
             return vjp, None, None
         with torch.no_grad():
-            d = _tangent(x, grad, ctx.tables, ctx.up_terms, ctx.down_terms, log_odds)
+            d = _tangent(x, grad, tables, up_weights, down_weights, log_odds)
             return mu * complement * d, None, None
 
 
 def _flatten(logits: torch.Tensor, k: torch.Tensor):
-    n = logits.shape[-1]
+    n = int(logits.shape[-1])
     return logits.reshape(-1, n), k.expand(logits.shape[:-1]).reshape(-1)
 
 
@@ -300,7 +304,7 @@ def _draw(tables, k: torch.Tensor, num_samples: int) -> torch.Tensor:
     counts = k.long()[None, :, None].expand(num_samples, -1, 1)  # (samples, batch, nodes)
     for table in reversed(tables[:-1]):
         left, right = _halves(table)
-        w = table.shape[0]
+        w = int(table.shape[0])
         # The right child's entry c - m for m = 0..w-1, from its table padded with -inf.
         padded = _pad_width(right, w - 1, w - 1)[:, None]
         offsets = (w - 1 - torch.arange(w, device=counts.device))[:, None, None, None]
@@ -323,7 +327,9 @@ def sample_and_marginals(
     sample_shape = torch.Size(sample_shape)
     flat_logits, flat_k = _flatten(logits, k)
     if with_marginals:
-        mu, _, _, _, tables = _Marginals.apply(flat_logits, flat_k, k_max)[:5]
+        output = _Marginals.apply(flat_logits, flat_k, k_max)
+        mu, levels = output[0], (len(output) - 5) // 3
+        tables = output[4 : 5 + levels]
         mu = mu.reshape(logits.shape)
     else:
         with torch.no_grad():
@@ -331,7 +337,7 @@ def sample_and_marginals(
         mu = None
     with torch.no_grad():
         counts = _draw([t.detach() for t in tables], flat_k, sample_shape.numel())
-        z = counts[..., : logits.shape[-1]].to(logits.dtype)
+        z = counts[..., : int(logits.shape[-1])].to(logits.dtype)
     return z.reshape(sample_shape + logits.shape), mu
 
 
