@@ -38,12 +38,13 @@ Python branches read only sizes (n, k_max, the batch size), never values, so
 import torch
 import torch.nn.functional as F
 
-# The largest n that takes this path (benchmarks/small_sites.py: the general kernels are
-# faster for large batches of larger n, where their per-call overhead is amortised).
+# The largest n that takes this path, and the most table entries (batch * n * (k_max + 1)):
+# measured against the general kernels (sample_and_marginals, float32, one thread), the
+# small path is 1.3x to 2x faster up to about 2^15 entries and slower above (its exp and log
+# per entry, and its (width x width) outside terms, cost more than the general kernels'
+# linear-space sums once the call's fixed costs are amortised).
 SMALL_N = 256
-# At most this many table entries in all (batch * n * (k_max + 1)): above it the general
-# kernels' linear-space arithmetic is cheaper than exp/log per entry.
-SMALL_ENTRIES = 1 << 21
+SMALL_ENTRIES = 1 << 15
 
 _INF = float("inf")
 
