@@ -260,3 +260,25 @@ def test_torch_and_jax_agree_in_float32():
         lambda t: (jax_small.marginals(t, jnp.asarray(ks), 25) * jnp.asarray(g)).sum()
     )(jnp.asarray(logits))
     assert np.abs(_numpy(grad_t) - _numpy(grad_j)).max() <= 1e-5
+
+
+def test_jax_with_x64_off():
+    """NumPyro's default configuration: no float64 anywhere. log_prob, marginals and
+    entropy of masked and clustered float32 sites against enumeration, and the normaliser's
+    parts stay float32."""
+    logits = np.array(ROWS[1:3]).astype(np.float32).astype(np.float64)
+    with jax.enable_x64(False):
+        for k in (1, 2):
+            d = JaxExactlyKBernoulli(logits=jnp.asarray(logits, jnp.float32), k=k)
+            parts = jax_small.normalizer_parts(
+                jnp.asarray(logits, jnp.float32), jnp.array([k, k]), k
+            )
+            assert all(part.dtype == jnp.float32 for part in parts)
+            mean, entropy = _numpy(d.mean), _numpy(d.entropy())
+            for row in range(2):
+                subsets, log_probs, _, mu, exact_entropy = oracle.exact_enumeration(logits[row], k)
+                assert np.abs(mean[row] - mu).max() <= TOLERANCE["float32"]
+                assert abs(entropy[row] - exact_entropy) <= TOLERANCE["float32"]
+                value = np.broadcast_to(subsets[0], logits.shape).astype(np.float32)
+                got = _numpy(d.log_prob(jnp.asarray(value)))[row]
+                assert abs(got - log_probs[0]) <= TOLERANCE["float32"] * max(1, abs(log_probs[0]))
