@@ -136,6 +136,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from numpyro_constrained import exactly_k_small as _small
+
 _TILT_STEPS = 6
 # A step below this leaves the expected count within about 1e-4 of k (measured; Newton
 # converges quadratically), far closer than the tables need.
@@ -827,6 +829,8 @@ def _cut(out: jax.Array, n: int | None) -> jax.Array:
 def normalizer_parts(logits: jax.Array, k: jax.Array, k_max: int) -> NormalizerParts:
     """The parts of ``log e_k(exp logits)`` (see ``NormalizerParts``), from one upward pass."""
     logits, k_max, _ = _to_bucket(logits, k_max)
+    if _small.applies(logits, k_max):  # small n: see exactly_k_small
+        return NormalizerParts(*_small.normalizer_parts(logits, k, k_max))
     return _normalizer_parts(logits, k, k_max)
 
 
@@ -1006,6 +1010,10 @@ def log_normalizer(
     again, without NaN at ``-inf`` logits). ``parts``: from ``normalizer_parts``, if the
     caller has them already."""
     logits, k_max, _ = _to_bucket(logits, k_max)
+    if _small.applies(logits, k_max):  # small n: see exactly_k_small
+        parts = normalizer_parts(logits, k, k_max) if parts is None else parts
+        value = log_normalizer_value(logits, k, parts).astype(logits.dtype)
+        return _small.log_normalizer(logits, k, k_max, value)
     return _log_normalizer_jit(logits, k, k_max, parts)
 
 
@@ -1021,6 +1029,8 @@ def marginals(logits: jax.Array, k: jax.Array, k_max: int) -> jax.Array:
     """mu_i = P(z_i = 1 | sum z = k) = d log e_k(exp logits) / d logits_i, shape
     ``batch + (n,)``; differentiable again."""
     logits, k_max, n = _to_bucket(logits, k_max)
+    if _small.applies(logits, k_max):  # small n: see exactly_k_small
+        return _cut(_small.marginals(logits, k, k_max), n)
     return _cut(_marginals(logits, k, k_max), n)
 
 
@@ -1038,7 +1048,11 @@ def marginals_and_complements(
     """(``marginals``, ``1 - marginals`` without rounding: from the leaves' off-weights, no
     gradient), so that a marginal near 1 keeps the relative precision of its complement."""
     logits, k_max, n = _to_bucket(logits, k_max)
-    mu, complement = _marginals_and_complements(logits, k, k_max)
+    mu, complement = (
+        _small.marginals_and_complements(logits, k, k_max)
+        if _small.applies(logits, k_max)  # small n: see exactly_k_small
+        else _marginals_and_complements(logits, k, k_max)
+    )
     return _cut(mu, n), _cut(complement, n)
 
 
@@ -1214,6 +1228,8 @@ def sample(
     """Exact draws, shape ``sample_shape + batch + (n,)``, entries 0.0 / 1.0 summing to k.
     No gradient."""
     logits, k_max, n = _to_bucket(logits, k_max)
+    if _small.applies(logits, k_max):  # small n: see exactly_k_small
+        return _cut(_small.sample(key, logits, k, k_max, tuple(sample_shape)), n)
     return _cut(_sample(key, logits, k, k_max, tuple(sample_shape)), n)
 
 
@@ -1233,6 +1249,9 @@ def sample_straight_through(
     the draw only), and one who does gets both from one upward pass
     (``sample_and_marginals``)."""
     logits, k_max, n = _to_bucket(logits, k_max)
+    if _small.applies(logits, k_max):  # small n: see exactly_k_small
+        z = _small.sample_straight_through(key, logits, k, k_max, tuple(sample_shape))
+        return _cut(z, n)
     return _cut(_straight_through_sample(key, logits, k, k_max, tuple(sample_shape)), n)
 
 
@@ -1257,7 +1276,11 @@ def sample_and_marginals(
 ) -> tuple[jax.Array, jax.Array]:
     """(sample(...), marginals(...)) from one upward pass (for the straight-through sample)."""
     logits, k_max, n = _to_bucket(logits, k_max)
-    z, mu = _sample_and_marginals(key, logits, k, k_max, tuple(sample_shape))
+    z, mu = (
+        _small.sample_and_marginals(key, logits, k, k_max, tuple(sample_shape))
+        if _small.applies(logits, k_max)  # small n: see exactly_k_small
+        else _sample_and_marginals(key, logits, k, k_max, tuple(sample_shape))
+    )
     return _cut(z, n), _cut(mu, n)
 
 

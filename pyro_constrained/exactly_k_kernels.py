@@ -95,6 +95,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from pyro_constrained import exactly_k_small as _small
+
 _TILT_STEPS = 6
 # A step below this leaves the expected count within about 1e-4 of k (measured; Newton
 # converges quadratically), far closer than the tables need.
@@ -717,6 +719,8 @@ def normalizer_parts(logits: torch.Tensor, k: torch.Tensor, k_max: int) -> Norma
         if k_max == 0:  # e_0 = 1: no tilt, log_reduced = -sum max(logits, 0)
             zero_tilt = logits.new_zeros(logits.shape[:-1], dtype=torch.float64)
             return NormalizerParts(zero_tilt, -_positive_part_sum(_tilted(logits, zero_tilt)))
+        if _small.applies(logits, k_max):  # small n: see exactly_k_small
+            return NormalizerParts(*_small.normalizer_parts(logits, k, k_max))
         flat_k, batch_shape, c, _, root, _, log_scale = _prepare(logits, k, k_max, True)
         root_k = root.gather(-1, flat_k.long()[:, None])[:, 0]
         log_reduced = torch.log(root_k.to(torch.float64)) + log_scale
@@ -852,6 +856,8 @@ def marginals(logits: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tensor
     ``batch + (n,)``; differentiable again when ``logits`` requires grad."""
     if k_max == 0:
         return _zeros_with_gradient(logits)
+    if _small.applies(logits, k_max):  # small n: see exactly_k_small
+        return _small.marginals(logits, k, k_max)
     flat_k, batch_shape, _, weights, root, levels, _ = _prepare(logits, k, k_max)
     return _marginals_from(flat_k, weights, root, levels).reshape(logits.shape)
 
@@ -864,6 +870,8 @@ def marginals_and_complements(
     gradient), so that a marginal near 1 keeps the relative precision of its complement."""
     if k_max == 0:
         return _zeros_with_gradient(logits), torch.ones_like(logits).detach()
+    if _small.applies(logits, k_max):  # small n: see exactly_k_small
+        return _small.marginals_and_complements(logits, k, k_max)
     flat_k, batch_shape, _, weights, root, levels, _ = _prepare(logits, k, k_max)
     mu, complement = _marginals_from(flat_k, weights, root, levels, with_complements=True)
     return mu.reshape(logits.shape), complement.reshape(logits.shape)
@@ -954,6 +962,8 @@ def sample(
 ) -> torch.Tensor:
     """Exact draws, shape ``sample_shape + batch + (n,)``, entries 0.0 / 1.0 summing to k.
     No gradient."""
+    if _small.applies(logits, k_max):  # small n: see exactly_k_small
+        return _small.sample(logits, k, k_max, sample_shape)
     with torch.no_grad():
         return _sample_and_maybe_marginals(logits.detach(), k, k_max, sample_shape, False)[0]
 
@@ -963,4 +973,6 @@ def sample_and_marginals(
     logits: torch.Tensor, k: torch.Tensor, k_max: int, sample_shape: tuple[int, ...] = ()
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sample(...), marginals(...)) from one upward pass (for ``rsample``)."""
+    if _small.applies(logits, k_max):  # small n: see exactly_k_small
+        return _small.sample_and_marginals(logits, k, k_max, sample_shape)
     return _sample_and_maybe_marginals(logits, k, k_max, sample_shape, True)
