@@ -136,34 +136,22 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-_TILT_STEPS = 6
-# A step below this leaves the expected count within about 1e-4 of k (measured; Newton
-# converges quadratically), far closer than the tables need.
-_TILT_TOLERANCE = 0.1
-# Rows that have not converged after _TILT_STEPS, or whose count distribution is nearly
-# deterministic at the result (variance below _TILT_FLAT, where the expected count can be
-# flat to working precision far from the root), start again from order statistics
-# (_restart_tilt) and may take up to _TILT_MAX_STEPS steps.
-_TILT_FLAT = 0.1
-_TILT_MAX_STEPS = 60
+from constrained_ppl import exactly_k_design as design
+
+# The framework-free constants, with the reason for each value, live in one place for both
+# packages.
+_TILT_STEPS = design.TILT_STEPS
+_TILT_TOLERANCE = design.TILT_TOLERANCE
+_TILT_FLAT = design.TILT_FLAT
+_TILT_MAX_STEPS = design.TILT_MAX_STEPS
+_FFT_WIDTH = design.JAX_FFT_WIDTH
+_FFT_WIDTH_UNCONDITIONAL = design.JAX_FFT_WIDTH_UNCONDITIONAL
+_FFT_MIN_VARIANCE = design.FFT_MIN_VARIANCE
 # Widths up to this are convolved by an unrolled shift-and-add (fused by XLA); wider ones by
 # a fori_loop over groups of _SHIFTS_PER_STEP shifts, so compile time does not grow with
 # k_max while each loop step still makes one fused pass over the output.
 _UNROLL_WIDTH = 2
 _SHIFTS_PER_STEP = 8
-# The FFT path (see "FFT path" in the module docstring): levels whose product tables are at
-# least _FFT_WIDTH wide are computed by FFT when every row's tilted count variance is at
-# least _FFT_MIN_VARIANCE (the same rule as the torch kernels). XLA's direct sums stay
-# faster than its FFT below this width in both dtypes: at n = 2^19, k = 100 (every upper
-# level 129 wide) FFT levels from width 129 made the marginals 1.3x to 1.9x slower
-# (benchmarks/README.md, "Small k at large n"). Where only the normaliser or a draw is
-# computed (no lax.cond: every wide level takes the FFT), levels from
-# _FFT_WIDTH_UNCONDITIONAL wide go by FFT, which compiles into fewer kernels than the
-# direct sums' loop (measured at n = 1e5, k = n/2: jit(sample) compiled in 2.5 s, 2.8 s
-# with FFT levels only from 513).
-_FFT_WIDTH = 513
-_FFT_WIDTH_UNCONDITIONAL = 129
-_FFT_MIN_VARIANCE = 4.0
 # The sampler draws the splits of a level by the inverse CDF (see _prefix_sums: unrolled
 # sums up to _UNROLLED_PREFIX_WIDTH wide, else products with triangular matrices of ones in
 # blocks of _PREFIX_BLOCK; wider unrolled chains compile into a kernel per partial sum) where
@@ -378,18 +366,6 @@ def _correlate(outside: jax.Array, right: jax.Array, width: int) -> jax.Array:
     return lax.fori_loop(0, steps, add_shifts, zeros)
 
 
-def _fast_fft_length(size: int) -> int:
-    """The smallest integer >= size whose prime factors are 2, 3 and 5."""
-    while True:
-        rest = size
-        for prime in (2, 3, 5):
-            while rest % prime == 0:
-                rest //= prime
-        if rest == 1:
-            return size
-        size += 1
-
-
 def _fft_dtype(dtype):
     """FFT arithmetic in float64 whenever x64 is on (float32 tables would get an error of
     1e-7 times their largest entry), else in float32 (see "FFT path")."""
@@ -402,7 +378,7 @@ def _convolve_by_fft(pairs: jax.Array, width: int) -> jax.Array:
     padding kernel to compile instead of two). Its error is about eps times the largest
     entry of the output, not relative to each entry; negative noise is clamped to zero, and
     the caller zeroes the structurally impossible entries (``_mask_outside``)."""
-    length = _fast_fft_length(2 * pairs.shape[-1] - 1)
+    length = design.fft_length(2 * pairs.shape[-1] - 1)
     wide = _fft_dtype(pairs.dtype)
     spectra = jnp.fft.rfft(pairs.astype(wide), length)
     out = jnp.fft.irfft(spectra[..., 0, :] * spectra[..., 1, :], length)[..., :width]
@@ -413,7 +389,7 @@ def _correlate_by_fft(outside: jax.Array, right: jax.Array, width: int) -> jax.A
     """``_correlate`` by FFT (see ``_convolve_by_fft``)."""
     w_right = right.shape[-1]
     outside = outside[..., : width + w_right - 1]
-    length = _fast_fft_length(max(outside.shape[-1], width) + w_right - 1)
+    length = design.fft_length(max(outside.shape[-1], width) + w_right - 1)
     wide = _fft_dtype(outside.dtype)
     spectrum = jnp.fft.rfft(outside.astype(wide), length) * jnp.conj(
         jnp.fft.rfft(right.astype(wide), length)
@@ -450,7 +426,9 @@ def _rescale(table: jax.Array) -> tuple[jax.Array, jax.Array]:
     field = lax.bitcast_convert_type(largest, bits) >> info.nmant  # e + bias (largest > 0)
     bias = 2 ** (info.nexp - 1) - 1
     scale = lax.bitcast_convert_type((2 * bias - field) << info.nmant, table.dtype)
-    table = jnp.where(table >= largest * tiny**0.5, table, 0.0) * scale
+    # Entries below sqrt(tiny) after the division are zero (the torch kernels' rule).
+    table = table * scale
+    table = jnp.where(table > tiny**0.5, table, 0.0)
     return table, (field[..., 0] - bias).astype(wide_dtype(table.dtype))
 
 

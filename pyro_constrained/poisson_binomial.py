@@ -97,14 +97,8 @@ def _window_pass(theta: torch.Tensor, target: torch.Tensor, k_max: int):
     """One tilted upward pass: (log P(K = j) for j < width, root / its largest entry, the
     tilt c), (rows, width) twice and (rows,), from the kernels' root table (``log e_j =
     log root[j] + log_scale + sum max(x, 0) - j c``)."""
-    _, _, c, _, root, _, log_scale = kernels._prepare(theta, target, k_max, True)
-    root = root.to(torch.float64)
-    ratio = root / root.amax(-1, keepdim=True).clamp(min=torch.finfo(root.dtype).tiny)
-    c = c.to(torch.float64)
-    j = torch.arange(root.shape[-1], dtype=torch.float64)
-    on, rest = _row_terms(theta, c)
-    log_p = torch.log(root) + (log_scale + rest)[:, None] + c[:, None] * (on[:, None] - j)
-    return log_p, ratio, c
+    table = kernels.count_log_probs(theta, target, k_max)
+    return table.log_probs, table.relative, table.tilt
 
 
 def _half_pmf(theta: torch.Tensor, half: torch.Tensor) -> torch.Tensor:

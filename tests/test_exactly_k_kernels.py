@@ -18,6 +18,7 @@ from scipy import special, stats
 
 from numpyro_constrained import exactly_k_kernels as jax_kernels
 from pyro_constrained import exactly_k_kernels as torch_kernels
+from pyro_constrained import exactly_k_tree as torch_tree
 from tests.oracles import exactly_k as oracle
 
 
@@ -340,8 +341,8 @@ def _masked_and_forced(rng, n):
 def _torch_direct(monkeypatch, logits, ks, k_max):
     """The torch kernels with the FFT path switched off (the exact direct sums)."""
     with monkeypatch.context() as patch:
-        patch.setattr(torch_kernels, "_FFT_WIDTH", 10**9)
-        patch.setattr(torch_kernels, "_FFT_WIDTH_FLOAT32", 10**9)
+        patch.setattr(torch_tree, "_FFT_WIDTH", 10**9)
+        patch.setattr(torch_tree, "_FFT_WIDTH_FLOAT32", 10**9)
         return _run("torch", logits, ks, k_max)
 
 
@@ -409,8 +410,8 @@ def test_jax_normalizer_and_draws_of_nearly_deterministic_rows_take_the_fft_path
         expected = oracle.log_elementary_symmetric(logits[row], k)[k]
         assert abs(log_norm[row] - expected) < 1e-13 * abs(expected)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch_kernels, "_FFT_WIDTH", 10**9)
-        patch.setattr(torch_kernels, "_FFT_WIDTH_FLOAT32", 10**9)
+        patch.setattr(torch_tree, "_FFT_WIDTH", 10**9)
+        patch.setattr(torch_tree, "_FFT_WIDTH_FLOAT32", 10**9)
         direct_log_norm, direct_mu = _run("torch", logits, ks, k_max)
     np.testing.assert_allclose(log_norm, direct_log_norm, rtol=1e-14, atol=0)
     mode = direct_mu > 0.5
@@ -541,7 +542,7 @@ def test_torch_fft_path_cost_does_not_grow_with_k(monkeypatch):
 
     def counted(k):
         levels = []  # (pass, nodes, width of the output tables, by FFT)
-        merge, split = torch_kernels._merge, torch_kernels._outside_of_children
+        merge, split = torch_tree._merge, torch_tree._outside_of_children
 
         def counted_merge(left, right, width, node_major, bounds=None):
             nodes = left.shape[1] if node_major else left.shape[2]
@@ -554,8 +555,8 @@ def test_torch_fft_path_cost_does_not_grow_with_k(monkeypatch):
             return split(outside, left, right, node_major, bounds)
 
         with monkeypatch.context() as patch:
-            patch.setattr(torch_kernels, "_merge", counted_merge)
-            patch.setattr(torch_kernels, "_outside_of_children", counted_split)
+            patch.setattr(torch_tree, "_merge", counted_merge)
+            patch.setattr(torch_tree, "_outside_of_children", counted_split)
             k_max = 1 << (k - 1).bit_length()
             mu = torch_kernels.marginals(logits, torch.tensor([k]), k_max)
         assert abs(float(mu.sum()) - k) < 1e-8 * k  # the counted run computed the marginals
@@ -568,7 +569,7 @@ def test_torch_fft_path_cost_does_not_grow_with_k(monkeypatch):
         up, down = levels[:depth], levels[depth:]
         assert len(down) == depth and {level[0] for level in up} == {"up"}
         for _, nodes, width, by_fft in up:
-            assert by_fft == (width >= torch_kernels._FFT_WIDTH)
+            assert by_fft == (width >= torch_tree._FFT_WIDTH)
             if by_fft:
                 assert nodes * width <= 2 * (n + nodes)
         assert any(by_fft for *_, by_fft in up)
