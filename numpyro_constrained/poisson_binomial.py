@@ -17,7 +17,6 @@ Tables are in the kernels' wide dtype: float64 when JAX's x64 mode is on, float3
 """
 
 import math
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -65,36 +64,6 @@ def _flipped(theta):
     return jnp.where(theta > -jnp.inf, -theta, theta)
 
 
-def _row_terms(theta, c):
-    """(P, rest) with ``log P(K = j) = log_reduced_j + c (P - j) + rest`` (see the torch
-    module's ``_row_terms``)."""
-    x = theta + c[:, None]
-    finite = theta > -jnp.inf
-    x_on, theta_on = (x >= 0) & finite, (theta >= 0) & finite
-    shift = jnp.where(x_on & ~theta_on, theta, 0.0).sum(-1)
-    shift = shift - jnp.where(theta_on & ~x_on, theta, 0.0).sum(-1)
-    tails = jnp.where(finite, jnp.log1p(jnp.exp(-jnp.abs(theta))), 0.0).sum(-1)
-    return x_on.sum(-1), shift - tails
-
-
-@partial(jax.jit, static_argnames="k_max")
-def _window_pass(theta, padded, target, k_max: int):
-    """One tilted upward pass over ``padded`` (``theta`` padded with ``-inf`` to the kernels'
-    bucket): (log P(K = j), root / its largest entry), both (rows, width), and the tilt."""
-    _, c, _, root, _, exponent, _ = kernels._prepare(padded, target, k_max, False)
-    wide = kernels.wide_dtype(theta.dtype)
-    # The upward pass rescales its tables by powers of two: exponent is their base-2 sum.
-    log_scale = exponent.astype(wide) * np.log(2.0)
-    root = root.astype(wide)
-    ratio = root / jnp.maximum(root.max(-1, keepdims=True), jnp.finfo(wide).tiny)
-    c = c.astype(wide)
-    j = jnp.arange(root.shape[-1], dtype=wide)
-    on, rest = _row_terms(theta.astype(wide), c)
-    terms = log_scale + rest
-    log_p = jnp.log(root) + terms[:, None] + c[:, None] * (on[:, None] - j)
-    return log_p, ratio, c
-
-
 def _half_pmf(theta: jax.Array, half: np.ndarray) -> np.ndarray:
     """``log P(K = j)`` for ``j <= half`` (per row; ``-inf`` above), concrete kernel logits
     ``theta`` (rows, n), by tilted windows from the bottom up (the torch module's loop; every
@@ -111,9 +80,9 @@ def _half_pmf(theta: jax.Array, half: np.ndarray) -> np.ndarray:
     while active.any():
         top = np.minimum(half, target + (6.0 * np.sqrt(target + 1.0)).astype(np.int64) + 8)
         k_max = max(1, int(top[active].max()))
-        padded, k_max, _ = kernels._to_bucket(theta, k_max)
         t = np.where(active, target, 0)
-        log_p, ratio, c = _window_pass(theta, padded, jnp.asarray(t, jnp.int32), k_max)
+        table = kernels.count_log_probs(theta, jnp.asarray(t, jnp.int32), k_max)
+        log_p, ratio, c = table.log_probs, table.relative, table.tilt
         log_p, ratio = np.asarray(log_p, np.float64), np.asarray(ratio, np.float64)
         width = min(log_p.shape[-1], n + 1)
         log_p, ratio = log_p[:, :width], ratio[:, :width]

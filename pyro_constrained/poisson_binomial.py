@@ -73,21 +73,6 @@ def _flipped(theta: torch.Tensor) -> torch.Tensor:
     return torch.where(theta > -torch.inf, -theta, theta)
 
 
-def _row_terms(theta: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """(P, rest) with ``log P(K = j) = log_reduced_j + c (P - j) + rest`` for kernel logits
-    ``theta`` (float64, ``-inf`` excluded) tilted by ``c`` (rows,): the count-independent
-    parts of the kernels' ``log_constraint_prob_value``, written without forming
-    ``theta + c`` (see there); P is the number of non-negative tilted logits, and the caller
-    forms ``c (P - j)`` as one product (``c P - c j`` would cancel at the size of c)."""
-    x = theta + c[:, None]
-    finite = theta > -torch.inf
-    x_on, theta_on = (x >= 0) & finite, (theta >= 0) & finite
-    shift = torch.where(x_on & ~theta_on, theta, 0.0).sum(-1)
-    shift = shift - torch.where(theta_on & ~x_on, theta, 0.0).sum(-1)
-    tails = torch.where(finite, torch.log1p(torch.exp(-theta.abs())), 0.0).sum(-1)
-    return x_on.sum(-1), shift - tails
-
-
 def _tilted_variance(theta: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     x = theta + kernels.tilt(theta, target)
     return (torch.sigmoid(x) * torch.sigmoid(-x)).sum(-1)

@@ -16,7 +16,9 @@ import pytest
 import torch
 from scipy import special, stats
 
+from numpyro_constrained import exactly_k_draw as jax_draw
 from numpyro_constrained import exactly_k_kernels as jax_kernels
+from numpyro_constrained import exactly_k_tree as jax_tree
 from pyro_constrained import exactly_k_kernels as torch_kernels
 from pyro_constrained import exactly_k_tree as torch_tree
 from tests.oracles import exactly_k as oracle
@@ -402,8 +404,8 @@ def test_jax_normalizer_and_draws_of_nearly_deterministic_rows_take_the_fft_path
     ks = np.array([250, int((spread > 0).sum())])
     x = jnp.asarray(logits)
     tilted = x + jax_kernels.tilt(x, jnp.asarray(ks))
-    assert not bool(jax_kernels._use_fft(tilted, k_max, True))  # marginals: direct sums
-    assert jax_kernels._use_fft(tilted, k_max, False) is True  # normaliser, draws: FFT
+    assert not bool(jax_tree._use_fft(tilted, k_max, True))  # marginals: direct sums
+    assert jax_tree._use_fft(tilted, k_max, False) is True  # normaliser, draws: FFT
     parts = jax_kernels.normalizer_parts(x, jnp.asarray(ks), k_max)
     log_norm = np.asarray(jax_kernels.log_normalizer_value(x, jnp.asarray(ks), parts))
     for row, k in enumerate(ks):
@@ -455,7 +457,7 @@ def _jax_tree(logits, ks, k_max, for_marginals):
     """The JAX tree's levels (shapes only) for these inputs, padded to their size bucket."""
     x, k_max, _ = jax_kernels._to_bucket(jnp.asarray(logits), k_max)
     return jax.eval_shape(
-        lambda x: jax_kernels._prepare(x, jnp.asarray(ks), k_max, for_marginals)[4], x
+        lambda x: jax_tree._prepare(x, jnp.asarray(ks), k_max, for_marginals)[4], x
     )
 
 
@@ -475,8 +477,8 @@ def test_jax_top_levels_loop_matches_the_recursion_and_the_direct_path(monkeypat
     ks = np.array(ks)
     for for_marginals in (True, False):
         top = _jax_tree(logits, ks, k_max, for_marginals)[-1]
-        assert isinstance(top, jax_kernels._Loop) and top.left.shape[-1] == k_max + 1
-        wide = k_max + 1 >= jax_kernels._fft_width(not for_marginals)
+        assert isinstance(top, jax_tree._Loop) and top.left.shape[-1] == k_max + 1
+        wide = k_max + 1 >= jax_tree._fft_width(not for_marginals)
         assert (top.bounds is not None) == wide
     log_norm, mu = _run("jax", logits, ks, k_max)
     _, mu32 = _run("jax", logits.astype(np.float32), ks, k_max)
@@ -514,7 +516,7 @@ def test_jax_top_levels_loop_samples_follow_the_enumerated_pmf():
     logits = rng.normal(0.0, 1.5, size=(3, 20))
     logits[2, 7] = -np.inf
     ks = np.array([2, 3, 4])
-    assert isinstance(_jax_tree(logits, ks, 4, False)[-1], jax_kernels._Loop)
+    assert isinstance(_jax_tree(logits, ks, 4, False)[-1], jax_tree._Loop)
     for samples in _jax_draws_by_both_split_rules(logits, ks, 4, 20000, 6):
         for row, k in enumerate(ks):
             assert oracle.chi_square_pvalue(samples[:, row], logits[row], k) > 1e-3
@@ -655,12 +657,12 @@ def test_jax_prefix_sums_match_cumsum(dtype):
     2 B eps of the total, and a zero weight adds exactly nothing within a block."""
     rng = np.random.default_rng(12)
     eps = np.finfo(dtype).eps
-    block = jax_kernels._PREFIX_BLOCK
-    unrolled = jax_kernels._UNROLLED_PREFIX_WIDTH
+    block = jax_draw._PREFIX_BLOCK
+    unrolled = jax_draw._UNROLLED_PREFIX_WIDTH
     for width in (1, 2, unrolled, unrolled + 1, 31, 32, 33, 64, 100, 513, 1000, 1024):
         weight = rng.exponential(size=(3, width)) * (rng.random((3, width)) < 0.7)
         weight = weight.astype(dtype)
-        sums = np.asarray(jax_kernels._prefix_sums(jnp.asarray(weight)))
+        sums = np.asarray(jax_draw._prefix_sums(jnp.asarray(weight)))
         assert sums.dtype == dtype and sums.shape == weight.shape
         expected = np.cumsum(weight.astype(np.float64), axis=-1)
         assert np.all(np.abs(sums - expected) <= 2 * block * eps * expected[:, -1:])
