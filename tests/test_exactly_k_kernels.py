@@ -687,3 +687,73 @@ def test_float32_draws_with_interleaved_masked_and_forced_entries_are_exact(fram
     samples = _draw(framework, logits, ks, 3000, np.float32)
     assert np.array_equal(samples.sum(-1), np.broadcast_to(ks, (3000, 2)).astype(np.float32))
     assert not samples[..., index % 3 == 0].any() and samples[..., forced].all()
+
+
+def _count_pmf(logits: np.ndarray) -> np.ndarray:
+    """P(sum z = j), j = 0..n, for independent z_i ~ Bernoulli(sigmoid(logits_i)), by the
+    plain recursion over the variables in float64 (an independent reference)."""
+    pmf = np.zeros(logits.shape[-1] + 1)
+    pmf[0] = 1.0
+    for p in special.expit(logits):
+        pmf[1:] = pmf[1:] * (1.0 - p) + pmf[:-1] * p
+        pmf[0] *= 1.0 - p
+    return pmf
+
+
+def test_count_log_probs_match_the_recursion_in_both_packages():
+    """The public root table (what PoissonBinomial uses): every count's log-probability,
+    from passes tilted at several k, against the recursion, and torch against JAX."""
+    rng = np.random.default_rng(5)
+    logits = rng.normal(0.0, 2.0, size=(3, 10))
+    logits[1, 2], logits[2, 0] = -np.inf, 30.0
+    ks = np.array([2, 5, 8])
+    expected = np.stack([_count_pmf(row) for row in logits])
+    torch_table = torch_kernels.count_log_probs(torch.tensor(logits), torch.tensor(ks), 10)
+    jax_table = jax_kernels.count_log_probs(jnp.asarray(logits), jnp.asarray(ks), 10)
+    for table in (torch_table, jax_table):
+        log_p, relative = (np.asarray(t, np.float64) for t in table[:2])
+        assert log_p.shape == relative.shape == (3, 11)
+        np.testing.assert_allclose(np.exp(log_p), expected, rtol=0, atol=1e-15)
+        kept = relative > 1e-6  # entries the tilt resolves (all of them on the direct path)
+        np.testing.assert_allclose(log_p[kept], np.log(expected[kept]), rtol=1e-12, atol=0)
+        assert np.all(np.isneginf(log_p[1, 10]))  # the -inf logit is never on
+    np.testing.assert_allclose(
+        torch_table.log_probs.numpy(), np.asarray(jax_table.log_probs), rtol=1e-13, atol=0
+    )
+
+
+def test_fft_length_rule_is_pyros_next_fast_len():
+    """One FFT length rule: constrained_ppl's (JAX kernels) is Pyro's (torch kernels)."""
+    from pyro.ops.tensor_utils import next_fast_len
+
+    from constrained_ppl.exactly_k_design import fft_length
+
+    assert [fft_length(size) for size in range(1, 2000)] == [
+        next_fast_len(size) for size in range(1, 2000)
+    ]
+    with pytest.raises(ValueError, match="positive"):
+        fft_length(0)
+
+
+def test_both_packages_rescale_tables_by_the_same_powers_of_two():
+    """The same rescaling rule: division by the power of two at or below each node's
+    largest entry (exact), and entries below sqrt(tiny) after it flushed to zero, bitwise
+    equal in torch and JAX, with the exponents the normaliser adds back."""
+    from numpyro_constrained import exactly_k_tree as jax_tree_module
+
+    rng = np.random.default_rng(2)
+    for dtype in (np.float32, np.float64):
+        tiny = np.finfo(dtype).tiny
+        table = np.exp(rng.uniform(-300.0, 80.0, size=(4, 7, 9))).astype(dtype)
+        table[0, 0] = 0.0
+        table[1, 1, :3] = np.sqrt(tiny) * table[1, 1].max() * np.array([0.5, 1.0, 4.0])
+        scaled_torch, power = torch_tree._rescale(torch.tensor(table))
+        scaled_jax, exponent = jax_tree_module._rescale(jnp.asarray(table))
+        np.testing.assert_array_equal(scaled_torch.numpy(), np.asarray(scaled_jax))
+        np.testing.assert_array_equal(
+            torch_tree._exponent(power).numpy(), np.asarray(exponent, np.float64)
+        )
+        nonzero = table.max(-1) > tiny
+        largest = scaled_torch.numpy().max(-1)[nonzero]
+        assert np.all((largest >= 1.0) & (largest < 2.0))
+        np.testing.assert_array_equal(np.log2(power.numpy()), np.asarray(exponent, np.float64))
