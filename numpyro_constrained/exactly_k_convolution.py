@@ -19,8 +19,6 @@ from constrained_ppl import exactly_k_design as design
 # a fori_loop over groups of _SHIFTS_PER_STEP shifts, so compile time does not grow with
 # k_max while each loop step still makes one fused pass over the output.
 _UNROLL_WIDTH = 2
-
-
 _SHIFTS_PER_STEP = 8
 
 

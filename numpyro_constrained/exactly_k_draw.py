@@ -20,17 +20,11 @@ from numpyro_constrained.exactly_k_tree import _Loop
 # the level holds many table entries: at least _PREFIX_MIN_ENTRIES where its left tables are
 # at most _PREFIX_BLOCK wide (one product), at least _BLOCKED_PREFIX_MIN_ENTRIES where they
 # are wider, up to _PREFIX_BLOCK ** 2 (blocked products, slower to compile). There the race's
-# random numbers cost more run time than the products' compilation (n = 1e5: 2x at k = 10;
-# n = 1e7: 15% at k = 100). Other levels are split by an exponential race (see _draw).
+# random numbers cost more run time than the products' compilation (benchmarks/README.md,
+# "Small k at large n"). Other levels are split by an exponential race (see _draw).
 _PREFIX_BLOCK = 32
-
-
 _UNROLLED_PREFIX_WIDTH = 5
-
-
 _PREFIX_MIN_ENTRIES = 2**14
-
-
 _BLOCKED_PREFIX_MIN_ENTRIES = 2**18
 
 

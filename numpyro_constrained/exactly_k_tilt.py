@@ -11,14 +11,8 @@ from constrained_ppl import exactly_k_design as design
 # The framework-free constants, with the reason for each value, live in one place for both
 # packages.
 _TILT_STEPS = design.TILT_STEPS
-
-
 _TILT_TOLERANCE = design.TILT_TOLERANCE
-
-
 _TILT_FLAT = design.TILT_FLAT
-
-
 _TILT_MAX_STEPS = design.TILT_MAX_STEPS
 
 

@@ -34,28 +34,17 @@ from numpyro_constrained.exactly_k_tilt import tilt
 from numpyro_constrained.exactly_k_values import wide_dtype
 
 _FFT_WIDTH = design.JAX_FFT_WIDTH
-
-
 _FFT_WIDTH_UNCONDITIONAL = design.JAX_FFT_WIDTH_UNCONDITIONAL
-
-
 _FFT_MIN_VARIANCE = design.FFT_MIN_VARIANCE
-
-
 # The top levels whose tables are all k_max + 1 wide (k_max small against n) run in one
 # lax.scan of fixed shape (_Loop) once at most _LOOP_NODES nodes holding at most
 # _LOOP_ENTRIES table entries are left, if that saves at least _LOOP_MIN_STEPS levels: each
 # step then merges as many pairs as the first, mostly of empty tables, instead of halving,
-# and the scan compiles once instead of once per level (jit(sample) at n = 1e5: 2.2-2.4 s of
-# compilation before, 1.6-1.8 s after, on the idle machine). The entries bound keeps that
-# wasted work small next to a level's: with 64 nodes of 1025-wide tables, the marginals at
-# n = 1e4 to 1e6, k = 1000 ran 10% to 30% slower.
+# and the scan compiles once instead of once per level (JAX's static shapes: a level of its
+# own compiles per shape). The entries bound keeps that wasted work small next to a level's
+# (benchmarks/README.md, "JAX compile times", has the measurements of both).
 _LOOP_NODES = 64
-
-
 _LOOP_ENTRIES = 2**13
-
-
 _LOOP_MIN_STEPS = 3
 
 

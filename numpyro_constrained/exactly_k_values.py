@@ -162,8 +162,6 @@ def log_constraint_prob_value(logits: jax.Array, k: jax.Array, parts: Normalizer
 
 # log 2 as the sum of two float32 numbers.
 _LN2_HIGH = float(np.float32(math.log(2.0)))
-
-
 _LN2_LOW = math.log(2.0) - _LN2_HIGH
 
 

@@ -17,14 +17,8 @@ from constrained_ppl import exactly_k_design as design
 from pyro_constrained.exactly_k_tracing import _in_place_allowed
 
 _SHIFT_WIDTH = design.TORCH_SHIFT_WIDTH
-
-
 _SHIFT_WIDTH_FLOAT32 = design.TORCH_SHIFT_WIDTH_FLOAT32
-
-
 _FFT_WIDTH_FLOAT64 = design.TORCH_CORRELATE_FFT_WIDTH_FLOAT64
-
-
 _BLOCK_BYTES = design.TORCH_BLOCK_BYTES
 
 

@@ -10,17 +10,9 @@ from pyro_constrained.exactly_k_tracing import _static_control_flow
 # The framework-free constants, with the reason for each value, live in one place for both
 # packages.
 _TILT_STEPS = design.TILT_STEPS
-
-
 _TILT_TOLERANCE = design.TILT_TOLERANCE
-
-
 _TILT_FLAT = design.TILT_FLAT
-
-
 _TILT_MAX_STEPS = design.TILT_MAX_STEPS
-
-
 _TILT_TRACED_STEPS = design.TILT_TRACED_STEPS
 
 

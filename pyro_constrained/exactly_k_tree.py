@@ -32,17 +32,9 @@ from pyro_constrained.exactly_k_tilt import tilt
 from pyro_constrained.exactly_k_tracing import _in_place_allowed, _static_control_flow
 
 _NARROW = design.TORCH_NARROW
-
-
 _FFT_WIDTH = design.TORCH_FFT_WIDTH_FLOAT64
-
-
 _FFT_WIDTH_FLOAT32 = design.TORCH_FFT_WIDTH_FLOAT32
-
-
 _FFT_MIN_VARIANCE = design.FFT_MIN_VARIANCE
-
-
 # Per float dtype: the integer type of its bits, the mask of its exponent field, the number
 # of mantissa bits below that field, and the exponent bias.
 _EXPONENT_FIELD = {

@@ -352,12 +352,13 @@ def _torch_direct(monkeypatch, logits, ks, k_max):
 def test_fft_path_matches_log_space_recursion_and_direct_path(framework, monkeypatch):
     logits, ks = _fft_problem()
     module = torch_kernels if framework == "torch" else jax_kernels
+    tree = torch_tree if framework == "torch" else jax_tree
     for dtype in (np.float64, np.float32):
         x = logits.astype(dtype)
         tilted = x + np.asarray(module.tilt(_tensor(framework, x), _tensor(framework, ks)))
         # the case under test (the JAX kernels also ask whether marginals are wanted)
         assert bool(
-            module._use_fft(_tensor(framework, tilted), _FFT_K_MAX, *_for_marginals(framework))
+            tree._use_fft(_tensor(framework, tilted), _FFT_K_MAX, *_for_marginals(framework))
         )
     log_norm, mu = _run(framework, logits, ks, _FFT_K_MAX)
     log_norm32, mu32 = _run(framework, logits.astype(np.float32), ks, _FFT_K_MAX)
@@ -739,8 +740,6 @@ def test_both_packages_rescale_tables_by_the_same_powers_of_two():
     """The same rescaling rule: division by the power of two at or below each node's
     largest entry (exact), and entries below sqrt(tiny) after it flushed to zero, bitwise
     equal in torch and JAX, with the exponents the normaliser adds back."""
-    from numpyro_constrained import exactly_k_tree as jax_tree_module
-
     rng = np.random.default_rng(2)
     for dtype in (np.float32, np.float64):
         tiny = np.finfo(dtype).tiny
@@ -748,7 +747,7 @@ def test_both_packages_rescale_tables_by_the_same_powers_of_two():
         table[0, 0] = 0.0
         table[1, 1, :3] = np.sqrt(tiny) * table[1, 1].max() * np.array([0.5, 1.0, 4.0])
         scaled_torch, power = torch_tree._rescale(torch.tensor(table))
-        scaled_jax, exponent = jax_tree_module._rescale(jnp.asarray(table))
+        scaled_jax, exponent = jax_tree._rescale(jnp.asarray(table))
         np.testing.assert_array_equal(scaled_torch.numpy(), np.asarray(scaled_jax))
         np.testing.assert_array_equal(
             torch_tree._exponent(power).numpy(), np.asarray(exponent, np.float64)
