@@ -58,10 +58,7 @@ def _rescale(table: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Te
     """
     info = torch.finfo(table.dtype)
     largest = table.detach().amax(dim, keepdim=True).clamp(min=info.tiny)
-    # 2^e from the bits of the largest entry: its exponent field with the mantissa cleared
-    # (a normal float: largest >= tiny; torch.frexp and torch.ldexp are 20x slower).
-    integer, field_mask = _EXPONENT_FIELD[table.dtype][:2]
-    power = (largest.view(integer) & field_mask).view(table.dtype)
+    power = _power_of_two_at_or_below(largest)
     # In place (autograd allows it: neither operation's input is saved for its backward):
     # fresh multi-megabyte tensors cost page faults. Not under torch.jit.trace.
     if _in_place_allowed():
@@ -71,8 +68,21 @@ def _rescale(table: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Te
     return table, power.squeeze(dim)
 
 
+def _power_of_two_at_or_below(largest: torch.Tensor) -> torch.Tensor:
+    """2^e with ``largest`` in [2^e, 2^(e + 1)), for normal positive floats: the exponent
+    field of ``largest`` with the mantissa cleared (``torch.frexp`` and ``torch.ldexp`` are
+    20x slower). ``torch.jit.trace`` cannot trace a view as another dtype, so traced code
+    takes the slower form."""
+    if torch.jit.is_tracing():
+        return torch.ldexp(torch.ones_like(largest), torch.frexp(largest).exponent - 1)
+    integer, field_mask = _EXPONENT_FIELD[largest.dtype][:2]
+    return (largest.view(integer) & field_mask).view(largest.dtype)
+
+
 def _exponent(power: torch.Tensor) -> torch.Tensor:
     """e (float64, a whole number) of the powers of two 2^e from ``_rescale``."""
+    if torch.jit.is_tracing():
+        return (torch.frexp(power).exponent - 1).to(torch.float64)
     integer, _, mantissa_bits, bias = _EXPONENT_FIELD[power.dtype]
     return ((power.view(integer) >> mantissa_bits) - bias).to(torch.float64)
 
