@@ -165,7 +165,8 @@ def _upward(tables: torch.Tensor, k_max: int, with_log_scale: bool, fft: bool = 
     the tilted count variance allows it).
 
     Returns (root table (batch, width), the levels from the leaves up, the sum of the kept
-    log factors (batch,), or None unless ``with_log_scale``: only the normaliser needs it).
+    log factors (batch,): the exponents' exact sum times log 2, or None unless
+    ``with_log_scale``: only the normaliser needs it).
     """
     levels = []
     log_scale = tables.new_zeros(tables.shape[0], dtype=torch.float64)
@@ -261,7 +262,8 @@ def _flatten(logits: torch.Tensor, k: torch.Tensor):
 
 def _prepare(logits: torch.Tensor, k: torch.Tensor, k_max: int, with_log_scale: bool = False):
     """Flattened tilted inputs, leaf weights, and the upward pass (``log_scale``: the sum of
-    the internal nodes' log factors, float64, when ``with_log_scale``)."""
+    the internal nodes' log factors, float64, when ``with_log_scale``: the sum of their
+    base-2 exponents, exact, times log 2)."""
     flat_logits, flat_k, batch_shape = _flatten(logits, k)
     c = tilt(flat_logits, flat_k)
     x = flat_logits + c
