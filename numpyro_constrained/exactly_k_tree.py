@@ -353,6 +353,9 @@ def _marginals_from(flat_k, weights, root, levels, fft, with_complements: bool =
     on = weights[..., 1] * outside[..., 1]
     off = weights[..., 0] * outside[..., 0]
     total = jnp.maximum(off + on, jnp.finfo(on.dtype).tiny)
+    # A leaf whose off-weight is exactly zero is always on: marginal 1, derivative exactly 0
+    # (the ratio's is rounding noise, which a saturated logit of a caller magnifies).
+    mu = jnp.where(weights[..., 0] == 0, lax.stop_gradient(on / total), on / total)
     if with_complements:
-        return on / total, lax.stop_gradient(off / total)
-    return on / total
+        return mu, lax.stop_gradient(off / total)
+    return mu

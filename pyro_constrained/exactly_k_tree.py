@@ -297,9 +297,13 @@ def _leaf_marginals(weights: torch.Tensor, outside: torch.Tensor, with_complemen
     on = weights[:, 1] * outside[:, 1]
     off = weights[:, 0] * outside[:, 0]
     total = (off + on).clamp(min=torch.finfo(on.dtype).tiny)
+    # A leaf whose off-weight is exactly zero is on in every configuration: its marginal is
+    # 1 and its derivative exactly 0, where the ratio's is rounding noise that a caller
+    # multiplying by a saturated logit (1e9) turns into a visible gradient.
+    mu = torch.where(weights[:, 0] == 0, (on / total).detach(), on / total)
     if with_complements:
-        return on / total, (off / total).detach()
-    return on / total
+        return mu, (off / total).detach()
+    return mu
 
 
 def _marginals_from(k, weights, root, levels, with_complements: bool = False):

@@ -756,3 +756,20 @@ def test_both_packages_rescale_tables_by_the_same_powers_of_two():
         largest = scaled_torch.numpy().max(-1)[nonzero]
         assert np.all((largest >= 1.0) & (largest < 2.0))
         np.testing.assert_array_equal(np.log2(power.numpy()), np.asarray(exponent, np.float64))
+
+
+def test_marginals_of_a_saturated_variable_have_exactly_zero_derivative():
+    """A forced variable (logit 1e9, off-weight exactly 0) has marginal 1 in every
+    configuration, so the derivatives of its marginal are exactly 0; a caller that weights
+    the marginals by the logits (the entropy's gradient) must not see 1e9 times the
+    ratio's rounding noise (found by tests/test_exactly_k_properties.py: 3e-8 and 1.5e-7
+    where the entropy's gradient is 0)."""
+    logits = np.array([0.0, 0.0, 0.0, 0.0, 0.0, 1e9])
+    theta = torch.tensor(logits, requires_grad=True)
+    # weighted by the tilted logits, as the entropy's gradient is
+    x = logits - np.log(4.0)
+    (torch_kernels.marginals(theta, torch.tensor(2), 2) * torch.tensor(x)).sum().backward()
+    # the free variables' own rounding (1e-17) remains, not 1e9 times it
+    np.testing.assert_allclose(theta.grad.numpy(), np.zeros(6), rtol=0, atol=1e-12)
+    weighted = jax.grad(lambda theta: (jax_kernels.marginals(theta, jnp.asarray(2), 2) * x).sum())
+    np.testing.assert_allclose(np.asarray(weighted(jnp.asarray(logits))), 0.0, rtol=0, atol=1e-12)
