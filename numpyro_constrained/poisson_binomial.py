@@ -13,12 +13,11 @@ The math: ``docs/distributions/poisson_binomial.md``; the method is that of
 
 Tables are in the kernels' wide dtype: float64 when JAX's x64 mode is on, float32 otherwise
 (then the wide levels' FFT rounding is about 1e-7 of a table's largest entry, and
-``log_pmf`` admits only entries within a factor 10 of it). ``log_pmf`` turns each pass's
-table into log-probabilities on the host in float64 (``_assemble``), whatever the mode.
+``log_pmf`` admits only entries within a factor 10 of it). Each pass's table becomes
+log-probabilities on the host in float64 (``kernels.count_log_probs``), whatever the mode.
 """
 
 import math
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -65,40 +64,6 @@ def _flipped(theta):
     return jnp.where(theta > -jnp.inf, -theta, theta)
 
 
-def _assemble(theta: np.ndarray, log_root: np.ndarray, c: np.ndarray, exponent: np.ndarray):
-    """``log P(K = j)`` (rows, width), float64, from one pass's root table: ``log root_j +
-    exponent log 2 + c (P - j) + rest`` (the torch module's ``_row_terms``), ``theta`` the
-    kernel logits and ``c`` the tilt in the kernels' wide dtype. Assembled on the host in
-    float64: with x64 off, the exponent's ``log 2`` multiple, the sum of n softplus tails and
-    ``c (P - j)`` are each of size about n, and their float32 roundings (1e-3 at n = 1e4)
-    would swamp the answer."""
-    x = theta + c[:, None]  # in the wide dtype: the side each logit took in the kernels
-    theta = theta.astype(np.float64)
-    finite = theta > -np.inf
-    x_on, theta_on = (x >= 0) & finite, (theta >= 0) & finite
-    shift = np.where(x_on & ~theta_on, theta, 0.0).sum(-1)
-    shift = shift - np.where(theta_on & ~x_on, theta, 0.0).sum(-1)
-    with np.errstate(over="ignore"):
-        tails = np.where(finite, np.log1p(np.exp(-np.abs(theta))), 0.0).sum(-1)
-    rest = exponent.astype(np.float64) * np.log(2.0) + shift - tails
-    j = np.arange(log_root.shape[-1])
-    on = x_on.sum(-1)
-    c = c.astype(np.float64)
-    return log_root.astype(np.float64) + rest[:, None] + c[:, None] * (on[:, None] - j)
-
-
-@partial(jax.jit, static_argnames="k_max")
-def _window_pass(theta, padded, target, k_max: int):
-    """One tilted upward pass over ``padded`` (``theta`` padded with ``-inf`` to the kernels'
-    bucket): (log of the root table, root / its largest entry), both (rows, width), the tilt
-    and the base-2 exponent of the tables' scale (the upward pass rescales by powers of 2)."""
-    _, c, _, root, _, exponent, _ = kernels._prepare(padded, target, k_max, False)
-    wide = kernels.wide_dtype(theta.dtype)
-    root = root.astype(wide)
-    ratio = root / jnp.maximum(root.max(-1, keepdims=True), jnp.finfo(wide).tiny)
-    return jnp.log(root), ratio, c.astype(wide), exponent
-
-
 def _half_pmf(theta: jax.Array, half: np.ndarray) -> np.ndarray:
     """``log P(K = j)`` for ``j <= half`` (per row; ``-inf`` above), concrete kernel logits
     ``theta`` (rows, n), by tilted windows from the bottom up (the torch module's loop; every
@@ -106,7 +71,6 @@ def _half_pmf(theta: jax.Array, half: np.ndarray) -> np.ndarray:
     rows, n = theta.shape
     wide = kernels.wide_dtype(theta.dtype)
     window, tilt_span = _window(wide), _tilt_span(wide)
-    theta_host = np.asarray(theta, dtype=wide)
     out = np.full((rows, n + 1), -np.inf)
     best = np.full((rows, n + 1), -1.0)
     needed = np.arange(n + 1)[None, :] <= half[:, None]
@@ -116,12 +80,9 @@ def _half_pmf(theta: jax.Array, half: np.ndarray) -> np.ndarray:
     while active.any():
         top = np.minimum(half, target + (6.0 * np.sqrt(target + 1.0)).astype(np.int64) + 8)
         k_max = max(1, int(top[active].max()))
-        padded, k_max, _ = kernels._to_bucket(theta, k_max)
         t = np.where(active, target, 0)
-        log_root, ratio, c, exponent = _window_pass(theta, padded, jnp.asarray(t, jnp.int32), k_max)
-        c = np.asarray(c)
-        log_p = _assemble(theta_host, np.asarray(log_root), c, np.asarray(exponent))
-        ratio = np.asarray(ratio, np.float64)
+        table = kernels.count_log_probs(theta, jnp.asarray(t, jnp.int32), k_max)
+        log_p, ratio, c = table.log_probs, table.relative, table.tilt
         width = min(log_p.shape[-1], n + 1)
         log_p, ratio = log_p[:, :width], ratio[:, :width]
         j = np.arange(width)

@@ -62,21 +62,6 @@ def _flipped(theta: torch.Tensor) -> torch.Tensor:
     return torch.where(theta > -torch.inf, -theta, theta)
 
 
-def _row_terms(theta: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """(P, rest) with ``log P(K = j) = log_reduced_j + c (P - j) + rest`` for kernel logits
-    ``theta`` (float64, ``-inf`` excluded) tilted by ``c`` (rows,): the count-independent
-    parts of the kernels' ``log_constraint_prob_value``, written without forming
-    ``theta + c`` (see there); P is the number of non-negative tilted logits, and the caller
-    forms ``c (P - j)`` as one product (``c P - c j`` would cancel at the size of c)."""
-    x = theta + c[:, None]
-    finite = theta > -torch.inf
-    x_on, theta_on = (x >= 0) & finite, (theta >= 0) & finite
-    shift = torch.where(x_on & ~theta_on, theta, 0.0).sum(-1)
-    shift = shift - torch.where(theta_on & ~x_on, theta, 0.0).sum(-1)
-    tails = torch.where(finite, torch.log1p(torch.exp(-theta.abs())), 0.0).sum(-1)
-    return x_on.sum(-1), shift - tails
-
-
 def _tilted_variance(theta: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     x = theta + kernels.tilt(theta, target)
     return (torch.sigmoid(x) * torch.sigmoid(-x)).sum(-1)
@@ -86,14 +71,8 @@ def _window_pass(theta: torch.Tensor, target: torch.Tensor, k_max: int):
     """One tilted upward pass: (log P(K = j) for j < width, root / its largest entry, the
     tilt c), (rows, width) twice and (rows,), from the kernels' root table (``log e_j =
     log root[j] + log_scale + sum max(x, 0) - j c``)."""
-    _, _, c, _, root, _, log_scale = kernels._prepare(theta, target, k_max, True)
-    root = root.to(torch.float64)
-    ratio = root / root.amax(-1, keepdim=True).clamp(min=torch.finfo(root.dtype).tiny)
-    c = c.to(torch.float64)
-    j = torch.arange(root.shape[-1], dtype=torch.float64)
-    on, rest = _row_terms(theta, c)
-    log_p = torch.log(root) + (log_scale + rest)[:, None] + c[:, None] * (on[:, None] - j)
-    return log_p, ratio, c
+    table = kernels.count_log_probs(theta, target, k_max)
+    return table.log_probs, table.relative, table.tilt
 
 
 def _half_pmf(theta: torch.Tensor, half: torch.Tensor) -> torch.Tensor:

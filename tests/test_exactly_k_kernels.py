@@ -16,8 +16,11 @@ import pytest
 import torch
 from scipy import special, stats
 
+from numpyro_constrained import exactly_k_draw as jax_draw
 from numpyro_constrained import exactly_k_kernels as jax_kernels
+from numpyro_constrained import exactly_k_tree as jax_tree
 from pyro_constrained import exactly_k_kernels as torch_kernels
+from pyro_constrained import exactly_k_tree as torch_tree
 from tests.oracles import exactly_k as oracle
 
 
@@ -340,8 +343,8 @@ def _masked_and_forced(rng, n):
 def _torch_direct(monkeypatch, logits, ks, k_max):
     """The torch kernels with the FFT path switched off (the exact direct sums)."""
     with monkeypatch.context() as patch:
-        patch.setattr(torch_kernels, "_FFT_WIDTH", 10**9)
-        patch.setattr(torch_kernels, "_FFT_WIDTH_FLOAT32", 10**9)
+        patch.setattr(torch_tree, "_FFT_WIDTH", 10**9)
+        patch.setattr(torch_tree, "_FFT_WIDTH_FLOAT32", 10**9)
         return _run("torch", logits, ks, k_max)
 
 
@@ -349,12 +352,13 @@ def _torch_direct(monkeypatch, logits, ks, k_max):
 def test_fft_path_matches_log_space_recursion_and_direct_path(framework, monkeypatch):
     logits, ks = _fft_problem()
     module = torch_kernels if framework == "torch" else jax_kernels
+    tree = torch_tree if framework == "torch" else jax_tree
     for dtype in (np.float64, np.float32):
         x = logits.astype(dtype)
         tilted = x + np.asarray(module.tilt(_tensor(framework, x), _tensor(framework, ks)))
         # the case under test (the JAX kernels also ask whether marginals are wanted)
         assert bool(
-            module._use_fft(_tensor(framework, tilted), _FFT_K_MAX, *_for_marginals(framework))
+            tree._use_fft(_tensor(framework, tilted), _FFT_K_MAX, *_for_marginals(framework))
         )
     log_norm, mu = _run(framework, logits, ks, _FFT_K_MAX)
     log_norm32, mu32 = _run(framework, logits.astype(np.float32), ks, _FFT_K_MAX)
@@ -401,16 +405,16 @@ def test_jax_normalizer_and_draws_of_nearly_deterministic_rows_take_the_fft_path
     ks = np.array([250, int((spread > 0).sum())])
     x = jnp.asarray(logits)
     tilted = x + jax_kernels.tilt(x, jnp.asarray(ks))
-    assert not bool(jax_kernels._use_fft(tilted, k_max, True))  # marginals: direct sums
-    assert jax_kernels._use_fft(tilted, k_max, False) is True  # normaliser, draws: FFT
+    assert not bool(jax_tree._use_fft(tilted, k_max, True))  # marginals: direct sums
+    assert jax_tree._use_fft(tilted, k_max, False) is True  # normaliser, draws: FFT
     parts = jax_kernels.normalizer_parts(x, jnp.asarray(ks), k_max)
     log_norm = np.asarray(jax_kernels.log_normalizer_value(x, jnp.asarray(ks), parts))
     for row, k in enumerate(ks):
         expected = oracle.log_elementary_symmetric(logits[row], k)[k]
         assert abs(log_norm[row] - expected) < 1e-13 * abs(expected)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch_kernels, "_FFT_WIDTH", 10**9)
-        patch.setattr(torch_kernels, "_FFT_WIDTH_FLOAT32", 10**9)
+        patch.setattr(torch_tree, "_FFT_WIDTH", 10**9)
+        patch.setattr(torch_tree, "_FFT_WIDTH_FLOAT32", 10**9)
         direct_log_norm, direct_mu = _run("torch", logits, ks, k_max)
     np.testing.assert_allclose(log_norm, direct_log_norm, rtol=1e-14, atol=0)
     mode = direct_mu > 0.5
@@ -454,7 +458,7 @@ def _jax_tree(logits, ks, k_max, for_marginals):
     """The JAX tree's levels (shapes only) for these inputs, padded to their size bucket."""
     x, k_max, _ = jax_kernels._to_bucket(jnp.asarray(logits), k_max)
     return jax.eval_shape(
-        lambda x: jax_kernels._prepare(x, jnp.asarray(ks), k_max, for_marginals)[4], x
+        lambda x: jax_tree._prepare(x, jnp.asarray(ks), k_max, for_marginals)[4], x
     )
 
 
@@ -474,8 +478,8 @@ def test_jax_top_levels_loop_matches_the_recursion_and_the_direct_path(monkeypat
     ks = np.array(ks)
     for for_marginals in (True, False):
         top = _jax_tree(logits, ks, k_max, for_marginals)[-1]
-        assert isinstance(top, jax_kernels._Loop) and top.left.shape[-1] == k_max + 1
-        wide = k_max + 1 >= jax_kernels._fft_width(not for_marginals)
+        assert isinstance(top, jax_tree._Loop) and top.left.shape[-1] == k_max + 1
+        wide = k_max + 1 >= jax_tree._fft_width(not for_marginals)
         assert (top.bounds is not None) == wide
     log_norm, mu = _run("jax", logits, ks, k_max)
     _, mu32 = _run("jax", logits.astype(np.float32), ks, k_max)
@@ -513,7 +517,7 @@ def test_jax_top_levels_loop_samples_follow_the_enumerated_pmf():
     logits = rng.normal(0.0, 1.5, size=(3, 20))
     logits[2, 7] = -np.inf
     ks = np.array([2, 3, 4])
-    assert isinstance(_jax_tree(logits, ks, 4, False)[-1], jax_kernels._Loop)
+    assert isinstance(_jax_tree(logits, ks, 4, False)[-1], jax_tree._Loop)
     for samples in _jax_draws_by_both_split_rules(logits, ks, 4, 20000, 6):
         for row, k in enumerate(ks):
             assert oracle.chi_square_pvalue(samples[:, row], logits[row], k) > 1e-3
@@ -541,7 +545,7 @@ def test_torch_fft_path_cost_does_not_grow_with_k(monkeypatch):
 
     def counted(k):
         levels = []  # (pass, nodes, width of the output tables, by FFT)
-        merge, split = torch_kernels._merge, torch_kernels._outside_of_children
+        merge, split = torch_tree._merge, torch_tree._outside_of_children
 
         def counted_merge(left, right, width, node_major, bounds=None):
             nodes = left.shape[1] if node_major else left.shape[2]
@@ -554,8 +558,8 @@ def test_torch_fft_path_cost_does_not_grow_with_k(monkeypatch):
             return split(outside, left, right, node_major, bounds)
 
         with monkeypatch.context() as patch:
-            patch.setattr(torch_kernels, "_merge", counted_merge)
-            patch.setattr(torch_kernels, "_outside_of_children", counted_split)
+            patch.setattr(torch_tree, "_merge", counted_merge)
+            patch.setattr(torch_tree, "_outside_of_children", counted_split)
             k_max = 1 << (k - 1).bit_length()
             mu = torch_kernels.marginals(logits, torch.tensor([k]), k_max)
         assert abs(float(mu.sum()) - k) < 1e-8 * k  # the counted run computed the marginals
@@ -568,7 +572,7 @@ def test_torch_fft_path_cost_does_not_grow_with_k(monkeypatch):
         up, down = levels[:depth], levels[depth:]
         assert len(down) == depth and {level[0] for level in up} == {"up"}
         for _, nodes, width, by_fft in up:
-            assert by_fft == (width >= torch_kernels._FFT_WIDTH)
+            assert by_fft == (width >= torch_tree._FFT_WIDTH)
             if by_fft:
                 assert nodes * width <= 2 * (n + nodes)
         assert any(by_fft for *_, by_fft in up)
@@ -654,12 +658,12 @@ def test_jax_prefix_sums_match_cumsum(dtype):
     2 B eps of the total, and a zero weight adds exactly nothing within a block."""
     rng = np.random.default_rng(12)
     eps = np.finfo(dtype).eps
-    block = jax_kernels._PREFIX_BLOCK
-    unrolled = jax_kernels._UNROLLED_PREFIX_WIDTH
+    block = jax_draw._PREFIX_BLOCK
+    unrolled = jax_draw._UNROLLED_PREFIX_WIDTH
     for width in (1, 2, unrolled, unrolled + 1, 31, 32, 33, 64, 100, 513, 1000, 1024):
         weight = rng.exponential(size=(3, width)) * (rng.random((3, width)) < 0.7)
         weight = weight.astype(dtype)
-        sums = np.asarray(jax_kernels._prefix_sums(jnp.asarray(weight)))
+        sums = np.asarray(jax_draw._prefix_sums(jnp.asarray(weight)))
         assert sums.dtype == dtype and sums.shape == weight.shape
         expected = np.cumsum(weight.astype(np.float64), axis=-1)
         assert np.all(np.abs(sums - expected) <= 2 * block * eps * expected[:, -1:])
@@ -684,3 +688,88 @@ def test_float32_draws_with_interleaved_masked_and_forced_entries_are_exact(fram
     samples = _draw(framework, logits, ks, 3000, np.float32)
     assert np.array_equal(samples.sum(-1), np.broadcast_to(ks, (3000, 2)).astype(np.float32))
     assert not samples[..., index % 3 == 0].any() and samples[..., forced].all()
+
+
+def _count_pmf(logits: np.ndarray) -> np.ndarray:
+    """P(sum z = j), j = 0..n, for independent z_i ~ Bernoulli(sigmoid(logits_i)), by the
+    plain recursion over the variables in float64 (an independent reference)."""
+    pmf = np.zeros(logits.shape[-1] + 1)
+    pmf[0] = 1.0
+    for p in special.expit(logits):
+        pmf[1:] = pmf[1:] * (1.0 - p) + pmf[:-1] * p
+        pmf[0] *= 1.0 - p
+    return pmf
+
+
+def test_count_log_probs_match_the_recursion_in_both_packages():
+    """The public root table (what PoissonBinomial uses): every count's log-probability,
+    from passes tilted at several k, against the recursion, and torch against JAX."""
+    rng = np.random.default_rng(5)
+    logits = rng.normal(0.0, 2.0, size=(3, 10))
+    logits[1, 2], logits[2, 0] = -np.inf, 30.0
+    ks = np.array([2, 5, 8])
+    expected = np.stack([_count_pmf(row) for row in logits])
+    torch_table = torch_kernels.count_log_probs(torch.tensor(logits), torch.tensor(ks), 10)
+    jax_table = jax_kernels.count_log_probs(jnp.asarray(logits), jnp.asarray(ks), 10)
+    for table in (torch_table, jax_table):
+        log_p, relative = (np.asarray(t, np.float64) for t in table[:2])
+        assert log_p.shape == relative.shape == (3, 11)
+        np.testing.assert_allclose(np.exp(log_p), expected, rtol=0, atol=1e-15)
+        kept = relative > 1e-6  # entries the tilt resolves (all of them on the direct path)
+        np.testing.assert_allclose(log_p[kept], np.log(expected[kept]), rtol=1e-12, atol=0)
+        assert np.all(np.isneginf(log_p[1, 10]))  # the -inf logit is never on
+    np.testing.assert_allclose(
+        torch_table.log_probs.numpy(), np.asarray(jax_table.log_probs), rtol=1e-13, atol=0
+    )
+
+
+def test_fft_length_rule_is_pyros_next_fast_len():
+    """One FFT length rule: constrained_ppl's (JAX kernels) is Pyro's (torch kernels)."""
+    from pyro.ops.tensor_utils import next_fast_len
+
+    from constrained_ppl.exactly_k_design import fft_length
+
+    assert [fft_length(size) for size in range(1, 2000)] == [
+        next_fast_len(size) for size in range(1, 2000)
+    ]
+    with pytest.raises(ValueError, match="positive"):
+        fft_length(0)
+
+
+def test_both_packages_rescale_tables_by_the_same_powers_of_two():
+    """The same rescaling rule: division by the power of two at or below each node's
+    largest entry (exact), and entries below sqrt(tiny) after it flushed to zero, bitwise
+    equal in torch and JAX, with the exponents the normaliser adds back."""
+    rng = np.random.default_rng(2)
+    for dtype in (np.float32, np.float64):
+        tiny = np.finfo(dtype).tiny
+        table = np.exp(rng.uniform(-300.0, 80.0, size=(4, 7, 9))).astype(dtype)
+        table[0, 0] = 0.0
+        table[1, 1, :3] = np.sqrt(tiny) * table[1, 1].max() * np.array([0.5, 1.0, 4.0])
+        scaled_torch, power = torch_tree._rescale(torch.tensor(table))
+        scaled_jax, exponent = jax.jit(jax_tree._rescale)(jnp.asarray(table))
+        np.testing.assert_array_equal(scaled_torch.numpy(), np.asarray(scaled_jax))
+        np.testing.assert_array_equal(
+            torch_tree._exponent(power).numpy(), np.asarray(exponent, np.float64)
+        )
+        nonzero = table.max(-1) > tiny
+        largest = scaled_torch.numpy().max(-1)[nonzero]
+        assert np.all((largest >= 1.0) & (largest < 2.0))
+        np.testing.assert_array_equal(np.log2(power.numpy()), np.asarray(exponent, np.float64))
+
+
+def test_marginals_of_a_saturated_variable_have_exactly_zero_derivative():
+    """A forced variable (logit 1e9, off-weight exactly 0) has marginal 1 in every
+    configuration, so the derivatives of its marginal are exactly 0; a caller that weights
+    the marginals by the logits (the entropy's gradient) must not see 1e9 times the
+    ratio's rounding noise (found by tests/test_exactly_k_properties.py: 3e-8 and 1.5e-7
+    where the entropy's gradient is 0)."""
+    logits = np.array([0.0, 0.0, 0.0, 0.0, 0.0, 1e9])
+    theta = torch.tensor(logits, requires_grad=True)
+    # weighted by the tilted logits, as the entropy's gradient is
+    x = logits - np.log(4.0)
+    (torch_kernels.marginals(theta, torch.tensor(2), 2) * torch.tensor(x)).sum().backward()
+    # the free variables' own rounding (1e-17) remains, not 1e9 times it
+    np.testing.assert_allclose(theta.grad.numpy(), np.zeros(6), rtol=0, atol=1e-12)
+    weighted = jax.grad(lambda theta: (jax_kernels.marginals(theta, jnp.asarray(2), 2) * x).sum())
+    np.testing.assert_allclose(np.asarray(weighted(jnp.asarray(logits))), 0.0, rtol=0, atol=1e-12)
