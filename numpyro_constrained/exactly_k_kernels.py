@@ -163,10 +163,6 @@ def log_normalizer(
     again, without NaN at ``-inf`` logits). ``parts``: from ``normalizer_parts``, if the
     caller has them already."""
     logits, k_max, _ = _to_bucket(logits, k_max)
-    if _small.applies(logits, k_max):  # small n: see exactly_k_small
-        parts = normalizer_parts(logits, k, k_max) if parts is None else parts
-        value = log_normalizer_value(logits, k, parts).astype(logits.dtype)
-        return _small.log_normalizer(logits, k, k_max, value)
     return _log_normalizer_jit(logits, k, k_max, parts)
 
 

@@ -40,7 +40,8 @@ def tilt(logits: jax.Array, k: jax.Array, k_max: int) -> jax.Array:
     """``-(x_(k) + x_(k+1)) / 2`` per row, shape ``(batch, 1)`` (see the torch module)."""
     logits = lax.stop_gradient(logits)
     n = logits.shape[-1]
-    ordered = lax.top_k(logits, min(k_max + 1, n))[0]
+    # A sort, not lax.top_k, which XLA's SPMD partitioner all-gathers across a sharded batch.
+    ordered = -jnp.sort(-logits, axis=-1)[..., : min(k_max + 1, n)]
     k = k[:, None]
     upper = jnp.take_along_axis(ordered, jnp.maximum(k - 1, 0), -1)
     lower = jnp.take_along_axis(ordered, jnp.minimum(k, ordered.shape[-1] - 1), -1)
@@ -266,21 +267,3 @@ def _sample_straight_through_jvp(k_max, sample_shape, primals, tangents):
     z = sample(key, logits, k, k_max, sample_shape)
     _, d_mu = jax.jvp(lambda theta: marginals(theta, k, k_max), (logits,), (tangents[1],))
     return z, jnp.broadcast_to(d_mu, z.shape)
-
-
-@partial(jax.custom_jvp, nondiff_argnums=(2,))
-def _log_normalizer(logits, k, k_max: int, log_value):
-    return log_value
-
-
-@_log_normalizer.defjvp
-def _log_normalizer_jvp(k_max, primals, tangents):
-    logits, k, log_value = primals
-    mu = marginals(logits, k, k_max)
-    return log_value, (mu * tangents[0]).sum(-1).astype(log_value.dtype)
-
-
-def log_normalizer(logits, k, k_max: int, log_value):
-    """``log_value`` (the log normaliser, computed by the caller from the parts) with the
-    marginals as its derivative in the logits."""
-    return _log_normalizer(logits, k, k_max, lax.stop_gradient(log_value))

@@ -107,6 +107,23 @@ def _linear(layer: dict, x: jax.Array) -> jax.Array:
     return x @ layer["weight"].T + layer["bias"]
 
 
+def _init_params(key, in_features, n, scale, scale_hidden, raw_init, dtype) -> dict:
+    """The head's initial parameters (see ``init_head``)."""
+    key_mean, key_hidden = jax.random.split(key)
+    params = {"mean": _init_linear(key_mean, in_features, n, dtype)}
+    if scale == "per_example":
+        # The output layer starts at zero weight and the initial scale's bias, so early
+        # steps do not depend on the random features (as in the torch module).
+        params["scale_hidden"] = _init_linear(key_hidden, in_features, scale_hidden, dtype)
+        params["scale_out"] = {
+            "weight": jnp.zeros((n, scale_hidden), dtype),
+            "bias": jnp.full((n,), raw_init, dtype),
+        }
+    else:
+        params["raw_scale"] = jnp.full((n,), raw_init, dtype)
+    return params
+
+
 def init_head(
     key: jax.Array,
     in_features: int,
@@ -171,19 +188,8 @@ def init_head(
         metric=np.asarray(metric),
     )
 
-    key_mean, key_hidden = jax.random.split(key)
     raw_init = _inverse_softplus(init_scale - min_scale)
-    params = {"mean": _init_linear(key_mean, in_features, n, dtype)}
-    if scale == "per_example":
-        # The output layer starts at zero weight and the initial scale's bias, so early
-        # steps do not depend on the random features (as in the torch module).
-        params["scale_hidden"] = _init_linear(key_hidden, in_features, scale_hidden, dtype)
-        params["scale_out"] = {
-            "weight": jnp.zeros((n, scale_hidden), dtype),
-            "bias": jnp.full((n,), raw_init, dtype),
-        }
-    else:
-        params["raw_scale"] = jnp.full((n,), raw_init, dtype)
+    params = _init_params(key, in_features, n, scale, scale_hidden, raw_init, dtype)
     # The losses and the projection live in the metric coordinates z = sqrt(w) y, where the
     # user's squared error is the Euclidean one; their constraint is A diag(1 / sqrt(w)).
     metric_root = jnp.sqrt(metric)
