@@ -67,14 +67,6 @@ def _tilted_variance(theta: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (torch.sigmoid(x) * torch.sigmoid(-x)).sum(-1)
 
 
-def _window_pass(theta: torch.Tensor, target: torch.Tensor, k_max: int):
-    """One tilted upward pass: (log P(K = j) for j < width, root / its largest entry, the
-    tilt c), (rows, width) twice and (rows,), from the kernels' root table (``log e_j =
-    log root[j] + log_scale + sum max(x, 0) - j c``)."""
-    table = kernels.count_log_probs(theta, target, k_max)
-    return table.log_probs, table.relative, table.tilt
-
-
 def _half_pmf(theta: torch.Tensor, half: torch.Tensor) -> torch.Tensor:
     """``log P(K = j)`` for ``j <= half`` (per row; ``-inf`` above), kernel logits ``theta``
     (rows, n) float64, by tilted windows from the bottom up (module docstring)."""
@@ -96,7 +88,8 @@ def _half_pmf(theta: torch.Tensor, half: torch.Tensor) -> torch.Tensor:
                 continue
             rows_g = index[group]
             k_max = max(1, int(top[group].max()))
-            log_p, ratio, c = _window_pass(theta[rows_g], t[group], k_max)
+            table = kernels.count_log_probs(theta[rows_g], t[group], k_max)
+            log_p, ratio, c = table.log_probs, table.relative, table.tilt
             width = log_p.shape[-1]
             j = torch.arange(width)
             span = (c[:, None] * (j[None, :] - t[group][:, None])).abs() <= _TILT_SPAN
