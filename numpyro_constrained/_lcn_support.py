@@ -166,7 +166,7 @@ def _subspace_of(fn) -> AffineSubspace | None:
     ``expand``), or ``None``."""
     while isinstance(fn, (Independent, MaskedDistribution, ExpandedDistribution)):
         fn = fn.base_dist
-    support = fn.support
+    support = getattr(fn, "support", None)  # a plate's subsample site has none
     return support if isinstance(support, AffineSubspace) else None
 
 
@@ -255,8 +255,16 @@ def refuse_a_moving_subspace_to_an_autoguide() -> None:
     guide, args, kwargs = found
     if guide in _CHECKED_GUIDES:
         return
-    moving = moving_subspaces(guide.model, args, kwargs)
+    # Marked first: the analysis runs the model, whose own requests for the bijection (an
+    # initialisation strategy's) must not start another.
+    _CHECKED_GUIDES.add(guide)
+    try:
+        moving = moving_subspaces(guide.model, args, kwargs)
+    except BaseException:
+        _CHECKED_GUIDES.discard(guide)
+        raise
     if moving:
+        _CHECKED_GUIDES.discard(guide)
         sites = ", ".join(
             f"{name!r} (with {', '.join(map(repr, by))})" for name, by in moving.items()
         )
@@ -270,4 +278,3 @@ def refuse_a_moving_subspace_to_an_autoguide() -> None:
             f"numpyro.handlers.reparam(model, config={{{config}}}) with "
             "numpyro_constrained.LinearConstrainedNormalReparam (NUTS needs no reparam)."
         )
-    _CHECKED_GUIDES.add(guide)
