@@ -188,11 +188,13 @@ def moving_subspaces(model, args=(), kwargs=None) -> dict[str, list[str]]:
     Found by differentiating ``A`` and ``k`` (a random direction) with respect to every
     floating-point latent value and parameter of one run of the model: a dependence whose
     derivative is zero there (``k = 0 * t``) is not one that moves. Discrete latent values
-    are held fixed. The runs draw from a fork of torch's random state, so the caller's
-    draws are unchanged."""
+    are held fixed."""
     kwargs = {} if kwargs is None else kwargs
-    # Blocked: this runs inside the caller's own inference, whose handlers must not see it.
-    with torch.random.fork_rng(), torch.enable_grad(), poutine.block():
+    # Forked: the caller's draws stay as they were (CUDA's generators only where CUDA is in
+    # use: forking them would start it). Blocked: this runs inside the caller's own
+    # inference, whose handlers must not see it.
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(cuda), torch.enable_grad(), poutine.block():
         first = poutine.trace(model).get_trace(*args, **kwargs)
         names = [
             name

@@ -34,6 +34,7 @@ from pyro_constrained.affine_subspace import (
     AffineSubspace,
     AffineSubspaceTransform,
     may_come_from_a_frozen_bijection,
+    moving_subspaces,
     refuse_a_moved_support,
 )
 from pyro_constrained.linear_constraint import (
@@ -45,7 +46,12 @@ from pyro_constrained.linear_constraint import (
     _rows_times,
 )
 
-__all__ = ["AffineSubspace", "AffineSubspaceTransform", "LinearConstrainedNormal"]
+__all__ = [
+    "AffineSubspace",
+    "AffineSubspaceTransform",
+    "LinearConstrainedNormal",
+    "moving_subspaces",
+]
 
 #: The options of ``grad_estimator`` (the name this module had for them).
 GRAD_ESTIMATORS = LCN_GRAD_ESTIMATORS
