@@ -198,14 +198,12 @@ def test_autoguide_on_a_subspace_that_does_not_move_is_not_refused(guide_name):
     from pyro.infer import JitTrace_ELBO
     from pyro.infer import autoguide as autoguides
 
+    mu0, v, s, a, k0, y = map(torch.as_tensor, (MU0, LOC_CASE[0], S, A, LOC_CASE[1], Y))
+
     def model():
         t = pyro.sample("t", dist.Normal(torch.tensor(0.0, dtype=F64), 1.0))
-        loc = torch.as_tensor(MU0) + t * torch.as_tensor(LOC_CASE[0])
-        k = torch.as_tensor(LOC_CASE[1]) + 0.0 * t
-        z = pyro.sample(
-            "z", LinearConstrainedNormal(loc, torch.as_tensor(S), A=torch.as_tensor(A), k=k)
-        )
-        pyro.sample("y", dist.Normal(z, SIGMA).to_event(1), obs=torch.as_tensor(Y))
+        z = pyro.sample("z", LinearConstrainedNormal(mu0 + t * v, s, A=a, k=k0 + 0.0 * t))
+        pyro.sample("y", dist.Normal(z, SIGMA).to_event(1), obs=y)
 
     pyro.clear_param_store()
     guide = getattr(autoguides, guide_name)(model)
