@@ -47,8 +47,8 @@ __all__ = ["PoissonBinomial"]
 
 
 # The torch module's constants (see there): with the tables in float64 (below), a root
-# entry at least _WINDOW times its table's largest entry keeps about 1e-13 of relative
-# precision, and entries with |c (j - t)| above _TILT_SPAN are left to other passes.
+# entry at least _WINDOW times its table's largest entry keeps its relative precision to
+# about eps / _WINDOW, and entries with |c (j - t)| above _TILT_SPAN are left to other passes.
 _WINDOW = 1e-3
 _TILT_SPAN = 1024.0
 
@@ -106,8 +106,8 @@ def _log_pmf_by_windows(theta: jax.Array) -> jax.Array:
     # The tables in float64 whatever the logits' dtype and the x64 mode (this host loop is
     # never traced, so the mode can be switched for it): each leaf's weight exp(theta_i + c)
     # is rounded to the tables' dtype, and the roundings add up in log e_j to about j eps
-    # when the logits are tied (the same rounding n times), 1e-5 at n = 1000 in float32,
-    # whatever the FFTs' dtype; in float64, 1e-13.
+    # when the logits are tied (the same rounding n times), whatever the FFTs' dtype: in
+    # float32, far above float32's rounding of log P from n = 1000 (benchmarks/README.md).
     with jax.enable_x64(True):
         theta = jnp.asarray(np.asarray(theta, np.float64))
         halves = _half_pmf(jnp.concatenate([theta, _flipped(theta)]), half)
