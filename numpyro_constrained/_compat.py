@@ -91,6 +91,29 @@ def default_validate_args() -> bool:
 
 
 # ---------------------------------------------------------------------------------------
+# JAX's scoped x64 switch.
+#
+# Relies on: a context manager that switches ``jax_enable_x64`` for a block only. JAX
+# spells it ``jax.enable_x64`` in the newest releases (0.10) and only
+# ``jax.experimental.enable_x64`` in older ones (0.7.0, this package's floor), which the
+# newest no longer have. The compat test checks that one of the two exists and switches
+# the mode for its block only.
+# ---------------------------------------------------------------------------------------
+
+
+def enable_x64(new_val: bool = True):
+    """A context manager in which JAX's x64 mode is ``new_val`` (restored on exit)."""
+    import jax
+
+    switch = getattr(jax, "enable_x64", None)
+    if switch is None:
+        import jax.experimental
+
+        switch = jax.experimental.enable_x64
+    return switch(new_val)
+
+
+# ---------------------------------------------------------------------------------------
 # Replaying the model when a support moves.
 #
 # Relies on: ``numpyro.infer.util._transforms_from_trace`` (numpyro 0.22), which flags a

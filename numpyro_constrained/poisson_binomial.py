@@ -36,6 +36,7 @@ from numpyro_constrained._bernoulli_arguments import (
     forced_counts,
     logits_and_probs,
 )
+from numpyro_constrained._compat import enable_x64
 from numpyro_constrained._repr import parameters_repr
 from numpyro_constrained.validation import (
     as_concrete_where_possible,
@@ -108,7 +109,7 @@ def _log_pmf_by_windows(theta: jax.Array) -> jax.Array:
     # is rounded to the tables' dtype, and the roundings add up in log e_j to about j eps
     # when the logits are tied (the same rounding n times), whatever the FFTs' dtype: in
     # float32, far above float32's rounding of log P from n = 1000 (benchmarks/README.md).
-    with jax.enable_x64(True):
+    with enable_x64(True):
         theta = jnp.asarray(np.asarray(theta, np.float64))
         halves = _half_pmf(jnp.concatenate([theta, _flipped(theta)]), half)
     low, high = np.split(halves, 2)

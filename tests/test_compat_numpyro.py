@@ -275,3 +275,20 @@ def test_an_autoguide_on_a_moving_subspace_is_refused_at_setup(guide_name):
             "numpyro_constrained._compat.autoguide_being_set_up): update that name, or the "
             "frame test, to where NumPyro's AutoGuides now call biject_to."
         )
+
+
+def test_the_scoped_x64_switch_exists_and_is_scoped():
+    """``_compat.enable_x64`` finds JAX's scoped switch under either of its names; if JAX
+    drops both, update ``numpyro_constrained/_compat.py`` (the every-count
+    ``PoissonBinomial.log_pmf`` builds its tables in float64 with it)."""
+    import jax
+
+    outside = jax.config.jax_enable_x64
+    for wanted in (True, False):
+        with _compat.enable_x64(wanted):
+            assert jax.config.jax_enable_x64 is wanted, (
+                "numpyro_constrained/_compat.enable_x64 no longer switches JAX's x64 mode: "
+                "update it to this JAX's scoped switch"
+            )
+            assert jnp.asarray(1.0).dtype == (jnp.float64 if wanted else jnp.float32)
+        assert jax.config.jax_enable_x64 is outside
