@@ -13,7 +13,7 @@ import math
 
 import torch
 from pyro.distributions import TorchDistribution
-from torch.distributions import Distribution, constraints
+from torch.distributions import constraints
 from torch.distributions.kl import kl_divergence, register_kl
 from torch.distributions.utils import lazy_property
 
@@ -130,7 +130,9 @@ class CountConstrainedBernoulli(TorchDistribution):
         if probs is not None:
             self.probs = probs.expand(batch_shape + event_shape)
         self.low, self.high = low.expand(batch_shape), high.expand(batch_shape)
-        validate = Distribution._validate_args if validate_args is None else validate_args
+        # Resolved before Distribution.__init__ (whose checks give less specific messages)
+        # as it resolves it: self._validate_args is still the class-wide default.
+        validate = self._validate_args if validate_args is None else validate_args
         self._check_bounds(validate)
         super().__init__(batch_shape, event_shape, validate_args=validate_args)
 

@@ -13,7 +13,7 @@ from contextlib import nullcontext
 
 import torch
 from pyro.distributions import Bernoulli, TorchDistribution
-from torch.distributions import Distribution, constraints
+from torch.distributions import constraints
 from torch.distributions.kl import register_kl
 from torch.distributions.utils import lazy_property
 
@@ -188,8 +188,10 @@ class ExactlyKBernoulli(TorchDistribution):
         self.k = k.expand(batch_shape)
         self._from_probs = probs is not None
         # Before Distribution.__init__, whose checks of arg_constraints give less specific
-        # messages.
-        validate = Distribution._validate_args if validate_args is None else validate_args
+        # messages; validate_args resolved as it resolves it: no instance attribute is set
+        # yet, so self._validate_args reads the class-wide default that
+        # Distribution.set_default_validate_args sets.
+        validate = self._validate_args if validate_args is None else validate_args
         self._check_k(validate, self._k_is_constant)
         super().__init__(batch_shape, event_shape, validate_args=validate_args)
 
