@@ -205,19 +205,32 @@ def _relative_entropy(rate_p: torch.Tensor, rate_q: torch.Tensor) -> torch.Tenso
 class _LogFactorialOfCounts(torch.autograd.Function):
     """``log z! = lgamma(z + 1)`` for integer ``0 <= z <= len(table) - 1`` by table lookup,
     with the exact derivative ``digamma(z + 1)``: a lookup alone (``table[z.long()]``)
-    would silently cut the gradient with respect to ``z``."""
+    would silently cut the gradient with respect to ``z``. Written for ``torch.func`` as
+    well (a separate ``setup_context``, a generated vmap rule and a ``jvp``); the
+    derivative is built from differentiable operations, so it differentiates again."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, counts: torch.Tensor, log_factorials: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(counts)
+    def forward(counts: torch.Tensor, log_factorials: torch.Tensor) -> torch.Tensor:
         # The caller guarantees 0 <= z <= len(table) - 1 (off-support rows are zeroed).
         return log_factorials[counts.long()]
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    def setup_context(ctx, inputs, output):
+        counts, _ = inputs
+        ctx.save_for_backward(counts)
+        ctx.save_for_forward(counts)
+
+    @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         (counts,) = ctx.saved_tensors
         return grad_output * torch.digamma(counts + 1), None
+
+    @staticmethod
+    def jvp(ctx, counts_dot: torch.Tensor, _table_dot) -> torch.Tensor:
+        (counts,) = ctx.saved_tensors
+        return counts_dot * torch.digamma(counts + 1)
 
 
 def _log_factorial_of_counts(counts: torch.Tensor, k_max: int) -> torch.Tensor:

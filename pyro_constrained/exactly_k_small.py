@@ -239,6 +239,10 @@ class _Marginals(torch.autograd.Function):
     and the sampler use: x, the log odds, the tables (leaves first), the up- and downward
     softmax weights. All outputs are tensors (``torch.jit.trace`` records no others)."""
 
+    # Plain tensor operations without decisions on values in forward and backward, so
+    # torch.func can batch both (jacrev vmaps the backward over the cotangents).
+    generate_vmap_rule = True
+
     @staticmethod
     def forward(logits, k, k_max):
         with torch.no_grad():
@@ -264,9 +268,12 @@ class _Marginals(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph: differentiable again
             # Recomputed from differentiable operations on the input itself, so that the
             # result is a function of it in the graph being built.
-            again = _differentiable_marginals(logits, k, ctx.k_max)
-            (vjp,) = torch.autograd.grad(again, logits, grad, create_graph=True)
-            return vjp, None, None
+            # torch.func.vjp, not autograd.grad: it also runs where torch.func calls this
+            # backward (jacrev batches it over cotangents whose logits need no grad).
+            _, pullback = torch.func.vjp(
+                lambda x: _differentiable_marginals(x, k, ctx.k_max), logits
+            )
+            return pullback(grad)[0], None, None
         with torch.no_grad():
             d = _tangent(x, grad, tables, up_weights, down_weights, log_odds)
             return mu * complement * d, None, None
