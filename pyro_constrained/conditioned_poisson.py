@@ -423,9 +423,17 @@ class ConditionedPoisson(TorchDistribution):
         else:
             k_long = self._k_long
             k = k_long.double()
-            log_c_factorial, correction = _expected_log_factorials(
-                log_p, log1m_p, k_long, self._k_bound, dtype
-            )
+            try:
+                log_c_factorial, correction = _expected_log_factorials(
+                    log_p, log1m_p, k_long, self._k_bound, dtype
+                )
+            except RuntimeError as error:  # torch.func.vmap cannot read a batched value
+                raise RuntimeError(
+                    "ConditionedPoisson.entropy sizes its windows of outcomes by Python "
+                    "numbers read from the rates, which torch.func.vmap over them cannot "
+                    "provide: give the distribution the batch of rates instead (it is "
+                    "batched natively)"
+                ) from error
             cross_entropy = k * (log_p.exp() * log_p).sum(-1)
             # Grouped so that a near-certain outcome (entropy 1e-28 beside log k! = 8.5, say)
             # keeps its relative accuracy: the log-factorials cancel exactly there.

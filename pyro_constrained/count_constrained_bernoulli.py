@@ -133,7 +133,15 @@ class CountConstrainedBernoulli(TorchDistribution):
         # Resolved before Distribution.__init__ (whose checks give less specific messages)
         # as it resolves it: self._validate_args is still the class-wide default.
         validate = self._validate_args if validate_args is None else validate_args
-        self._check_bounds(validate)
+        try:
+            self._check_bounds(validate)
+        except RuntimeError as error:  # torch.func.vmap cannot read a batched value
+            raise RuntimeError(
+                "CountConstrainedBernoulli checks its bounds and sizes its stack of counts "
+                "by Python numbers read from the logits and bounds, which torch.func.vmap "
+                "over them (or over log_prob's values) cannot provide: give the distribution "
+                "the batch of logits instead (it is batched natively)"
+            ) from error
         super().__init__(batch_shape, event_shape, validate_args=validate_args)
 
     def _check_bounds(self, validate: bool) -> None:

@@ -257,7 +257,19 @@ class _Marginals(torch.autograd.Function):
         levels = (len(output) - 5) // 3
         ctx.mark_non_differentiable(*output[1:])
         ctx.save_for_backward(logits, k, mu, complement, x, log_odds, *output[4:])
+        ctx.save_for_forward(mu, complement, x, log_odds, *output[4:])
         ctx.levels, ctx.k_max = levels, k_max
+
+    @staticmethod
+    def jvp(ctx, logits_dot, *unused):
+        # Forward mode (torch.func.jvp, jacfwd): the tangent pass is a directional
+        # derivative already; only mu has one (the other outputs are non-differentiable).
+        mu, complement, x, log_odds, *rest = ctx.saved_tensors
+        levels = ctx.levels
+        tables, up_weights = rest[: levels + 1], rest[levels + 1 : 2 * levels + 1]
+        down_weights = rest[2 * levels + 1 :]
+        d = _tangent(x, logits_dot, tables, up_weights, down_weights, log_odds)
+        return (mu * complement * d,) + (None,) * (len(rest) + 3)
 
     @staticmethod
     def backward(ctx, grad, *unused):
