@@ -157,3 +157,21 @@ def test_vmap_over_values_with_validation_on_is_a_clear_error():
     d = ExactlyKBernoulli(logits=LOGITS, k=2)
     with pytest.raises(RuntimeError, match="validate_args=False"):
         vmap(d.log_prob)(K_HOT)
+
+
+def test_conditioned_poisson_log_prob_derivative_in_the_value_under_torch_func():
+    """The log-factorial lookup's derivative ``digamma(z + 1)`` (the straight-through
+    sample's path) under ``grad``, ``jacfwd`` and a second derivative ``trigamma``: with
+    more values than k + 1 the lookup table is used."""
+    d = ConditionedPoisson(RATE, k=4)
+    log_p = (RATE / RATE.sum()).log()
+    expected = log_p - torch.special.digamma(COMPOSITIONS + 1)
+    torch.testing.assert_close(
+        grad(lambda z: d.log_prob(z).sum())(COMPOSITIONS), expected, rtol=1e-12, atol=0
+    )
+    forward = jacfwd(lambda z: d.log_prob(z[None])[0])(COMPOSITIONS[0])
+    torch.testing.assert_close(forward, expected[0], rtol=1e-12, atol=0)
+    # Many values (the table path) for the second derivative, -trigamma(z + 1).
+    values = COMPOSITIONS.repeat(3, 1)
+    second = grad(lambda z: grad(lambda v: d.log_prob(v).sum())(z).sum())(values)
+    torch.testing.assert_close(second, -torch.special.polygamma(1, values + 1), rtol=1e-12, atol=0)
