@@ -162,7 +162,14 @@ class ConditionedPoisson(TorchDistribution):
             rate = rate.to(torch.get_default_dtype())
         # Shapes and k only: static under torch.jit.trace (see _k_bound).
         with static_under_trace():
-            batch_shape = self._check_shapes_and_k(rate, k, k_max)
+            try:
+                batch_shape = self._check_shapes_and_k(rate, k, k_max)
+            except RuntimeError as error:  # torch.func.vmap cannot read a batched value
+                raise RuntimeError(
+                    "ConditionedPoisson checks k (a count within the integers of rate's dtype) "
+                    "as Python numbers, which torch.func.vmap over k cannot provide: give the "
+                    "distribution the batch of k instead (it is batched natively)"
+                ) from error
             if not isinstance(k, torch.Tensor):
                 k = torch.as_tensor(k)
             k = k.to(rate.device)

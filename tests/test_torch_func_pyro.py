@@ -148,6 +148,10 @@ def test_vmap_over_parameters_where_sizes_are_read_from_them_is_a_clear_error(va
     for make, params in cases:
         with pytest.raises(RuntimeError, match="give the distribution the batch of logits"):
             vmap(lambda x, make=make: make(x).log_prob(value))(params)
+    with pytest.raises(RuntimeError, match="give the distribution the batch of k"):
+        vmap(lambda k: ConditionedPoisson(RATE, k=k, validate_args=validate_args).mean)(
+            torch.tensor([3, 4])
+        )
     rates = torch.stack([RATE, RATE.flip(0)])
     with pytest.raises(RuntimeError, match="give the distribution the batch of rates"):
         vmap(lambda r: ConditionedPoisson(r, k=4, validate_args=validate_args).entropy())(rates)
