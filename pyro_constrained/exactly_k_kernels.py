@@ -120,7 +120,14 @@ class _LogNormalizer(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         logits, k, k_max = inputs[:3]
         ctx.save_for_backward(logits, k)
+        ctx.save_for_forward(logits, k)
         ctx.k_max = k_max
+
+    @staticmethod
+    def jvp(ctx, logits_dot, *unused):
+        # Forward mode (torch.func.jvp, jacfwd): the marginals dotted with the tangent.
+        logits, k = ctx.saved_tensors
+        return (marginals(logits, k, ctx.k_max) * logits_dot).sum(-1)
 
     @staticmethod
     def backward(ctx, grad):

@@ -239,6 +239,10 @@ class _Marginals(torch.autograd.Function):
     and the sampler use: x, the log odds, the tables (leaves first), the up- and downward
     softmax weights. All outputs are tensors (``torch.jit.trace`` records no others)."""
 
+    # Plain tensor operations without decisions on values in forward and backward, so
+    # torch.func can batch both (jacrev vmaps the backward over the cotangents).
+    generate_vmap_rule = True
+
     @staticmethod
     def forward(logits, k, k_max):
         with torch.no_grad():
@@ -253,7 +257,19 @@ class _Marginals(torch.autograd.Function):
         levels = (len(output) - 5) // 3
         ctx.mark_non_differentiable(*output[1:])
         ctx.save_for_backward(logits, k, mu, complement, x, log_odds, *output[4:])
+        ctx.save_for_forward(mu, complement, x, log_odds, *output[4:])
         ctx.levels, ctx.k_max = levels, k_max
+
+    @staticmethod
+    def jvp(ctx, logits_dot, *unused):
+        # Forward mode (torch.func.jvp, jacfwd): the tangent pass is a directional
+        # derivative already; only mu has one (the other outputs are non-differentiable).
+        mu, complement, x, log_odds, *rest = ctx.saved_tensors
+        levels = ctx.levels
+        tables, up_weights = rest[: levels + 1], rest[levels + 1 : 2 * levels + 1]
+        down_weights = rest[2 * levels + 1 :]
+        d = _tangent(x, logits_dot, tables, up_weights, down_weights, log_odds)
+        return (mu * complement * d,) + (None,) * (len(rest) + 3)
 
     @staticmethod
     def backward(ctx, grad, *unused):
@@ -264,9 +280,12 @@ class _Marginals(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph: differentiable again
             # Recomputed from differentiable operations on the input itself, so that the
             # result is a function of it in the graph being built.
-            again = _differentiable_marginals(logits, k, ctx.k_max)
-            (vjp,) = torch.autograd.grad(again, logits, grad, create_graph=True)
-            return vjp, None, None
+            # torch.func.vjp, not autograd.grad: it also runs where torch.func calls this
+            # backward (jacrev batches it over cotangents whose logits need no grad).
+            _, pullback = torch.func.vjp(
+                lambda x: _differentiable_marginals(x, k, ctx.k_max), logits
+            )
+            return pullback(grad)[0], None, None
         with torch.no_grad():
             d = _tangent(x, grad, tables, up_weights, down_weights, log_odds)
             return mu * complement * d, None, None
