@@ -10,7 +10,6 @@ The math: ``docs/distributions/linear_constrained_normal.md``.
 
 from __future__ import annotations
 
-import inspect
 import weakref
 
 import pyro.distributions as dist
@@ -19,6 +18,7 @@ from pyro import poutine
 from torch.distributions import biject_to, constraints, transform_to
 from torch.distributions.transforms import Transform
 
+from pyro_constrained._compat import autoguide_being_set_up
 from pyro_constrained.linear_constraint import LinearConstraint, _combine_rows, _rows_times
 
 __all__ = ["AffineSubspace", "AffineSubspaceTransform", "moving_subspaces"]
@@ -133,42 +133,6 @@ class AffineSubspaceTransform(Transform):
 def _transform_to_affine_subspace(constraint: AffineSubspace) -> AffineSubspaceTransform:
     refuse_a_moving_subspace_to_an_autoguide()
     return AffineSubspaceTransform(constraint.constraint, constraint.k)
-
-
-# ---------------------------------------------------------------------------------------
-# The AutoGuide that is building a subspace bijection (Pyro behaviour without a public
-# API; it belongs with pyro_constrained's other compatibility entries).
-#
-# Relies on: Pyro's AutoGuides (pyro-ppl 1.9) build the bijection of every latent site's
-# support (``biject_to``, or ``transform_to`` through AutoDelta's ``PyroParam``) inside
-# ``AutoGuide._setup_prototype(self, *args, **kwargs)``, once, from the prototype trace, and
-# keep it. Pyro does not tell a support who asks for its bijection, so the rule below
-# recognises that frame on the call stack: a method of that name whose ``self`` is an
-# ``AutoGuide``. If Pyro renames it or builds the bijections elsewhere, the check stops
-# firing (JitTrace_ELBO with AutoDelta is then silently ``inf`` after its first step);
-# tests/test_reparam_pyro.py runs each AutoGuide kind on a moving subspace and fails,
-# saying to update this, when the error is gone.
-# ---------------------------------------------------------------------------------------
-
-AUTOGUIDE_SETUP = "_setup_prototype"
-
-
-def autoguide_being_set_up(depth: int = 64):
-    """``(guide, args, kwargs)`` of the Pyro ``AutoGuide`` whose setup (see above) is on the
-    call stack within ``depth`` frames, or ``None``: ``args`` and ``kwargs`` are the model's
-    arguments it was called with."""
-    from pyro.infer.autoguide import AutoGuide
-
-    frame = inspect.currentframe()
-    for _ in range(depth):
-        frame = frame.f_back if frame is not None else None
-        if frame is None:
-            return None
-        if frame.f_code.co_name == AUTOGUIDE_SETUP:
-            local = frame.f_locals
-            if isinstance(local.get("self"), AutoGuide):
-                return local["self"], tuple(local.get("args", ())), dict(local.get("kwargs", {}))
-    return None
 
 
 def _subspace_of(fn) -> AffineSubspace | None:

@@ -1,11 +1,13 @@
-"""No private torch or Pyro name in ``pyro_constrained`` outside a ``_compat`` module.
+"""Every entry of ``pyro_constrained._compat`` checked against the installed torch and Pyro,
+and no private torch or Pyro name in ``pyro_constrained`` outside that module.
 
-``pyro_constrained`` has no ``_compat`` module: every framework behaviour it relies on is
-reached through a public API (``LinearConstrainedNormal``: ``save_for_backward`` /
+The one entry (the AutoGuide whose setup asks for a subspace's bijection) is checked by
+``test_autoguide_without_reparam_when_k_moves_is_refused_at_setup`` in
+``tests/test_reparam_pyro.py``, which runs each AutoGuide kind on a moving subspace and
+fails, saying what to update, when Pyro builds its bijections elsewhere. Everything else is
+reached through public APIs (``LinearConstrainedNormal``: ``save_for_backward`` /
 ``setup_context`` for its autograd Function, which ``torch.func`` then runs, ``torch.randn``,
-torch's own argument validation, a bijection without tags on its values). Should one become
-necessary, it goes in ``pyro_constrained/_compat.py`` with a test here that fails, saying
-what to update, when the behaviour it relies on changes.
+torch's own argument validation, a bijection without tags on its values).
 """
 
 import math

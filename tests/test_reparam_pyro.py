@@ -158,12 +158,12 @@ def _step(model, guide, elbo):
 def test_autoguide_without_reparam_when_k_moves_is_refused_at_setup(guide_name):
     """The refusal comes from the guide's setup (its message names the site and what moves
     it), not from log_prob: if Pyro stops building the bijections in
-    ``AutoGuide._setup_prototype``, pyro_constrained.affine_subspace.autoguide_being_set_up
+    ``AutoGuide._setup_prototype``, pyro_constrained._compat.autoguide_being_set_up
     no longer finds the guide and this fails."""
     from pyro.infer import JitTrace_ELBO
     from pyro.infer import autoguide as autoguides
 
-    from pyro_constrained.affine_subspace import AUTOGUIDE_SETUP
+    from pyro_constrained._compat import AUTOGUIDE_SETUP
 
     model = make_model(*K_CASE)
     guide = getattr(autoguides, guide_name)(model)
@@ -174,7 +174,7 @@ def test_autoguide_without_reparam_when_k_moves_is_refused_at_setup(guide_name):
     ), (
         f"Pyro {pyro.__version__}'s {guide_name} was not refused at its setup: its AutoGuides "
         f"no longer build their bijections inside a method named {AUTOGUIDE_SETUP!r} (see "
-        "pyro_constrained.affine_subspace.autoguide_being_set_up): update that name to "
+        "pyro_constrained._compat.autoguide_being_set_up): update that name to "
         f"where they now call biject_to. The error was: {error.value}"
     )
 
