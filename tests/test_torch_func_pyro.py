@@ -195,3 +195,41 @@ def test_conditioned_poisson_log_prob_derivative_in_the_value_under_torch_func()
 def test_poisson_binomial_entropy_under_jacfwd():
     f = lambda x: PoissonBinomial(logits=x).entropy()  # noqa: E731
     torch.testing.assert_close(jacfwd(f)(LOGITS), jacrev(f)(LOGITS), rtol=1e-11, atol=1e-13)
+
+
+LCN_PARAMETERS = {
+    "loc": torch.tensor([0.2, -0.1, 0.3], dtype=F64),
+    "scale": torch.tensor([1.0, 2.0, 0.5], dtype=F64),
+    "A": torch.tensor([[1.0, 1.0, 0.5]], dtype=F64),
+    "k": torch.tensor([1.0], dtype=F64),
+}
+
+
+# The conditional variance and entropy do not depend on loc or k; log_prob at a fixed value
+# has no derivative in k (moving k moves the support off the value).
+NO_DEPENDENCE = {("variance", "loc"), ("variance", "k"), ("entropy", "loc"), ("entropy", "k")}
+NO_DEPENDENCE |= {("log_prob", "k")}
+
+
+@pytest.mark.parametrize("parameter", list(LCN_PARAMETERS))
+@pytest.mark.parametrize("quantity", ["log_prob", "mean", "variance", "entropy"])
+def test_linear_constrained_normal_jacfwd_matches_jacrev_in_every_parameter(parameter, quantity):
+    """Forward mode sees every parameter: a path chosen because ``A`` does not require grad
+    (which a forward-mode input never does) used factors detached from ``A``, and
+    ``jacfwd`` in ``A`` was a silent 0 where ``jacrev`` was right."""
+    from pyro_constrained import LinearConstrainedNormal
+
+    value = torch.tensor([0.4, 0.1, 1.0], dtype=F64)  # on A z = k
+
+    def f(x):
+        d = LinearConstrainedNormal(**{**LCN_PARAMETERS, parameter: x}, validate_args=False)
+        if quantity == "log_prob":
+            return d.log_prob(value)
+        if quantity == "entropy":
+            return d.entropy()
+        return getattr(d, quantity)
+
+    x = LCN_PARAMETERS[parameter]
+    reverse = jacrev(f)(x)
+    assert reverse.abs().max() > 1e-3 or (quantity, parameter) in NO_DEPENDENCE
+    torch.testing.assert_close(jacfwd(f)(x), reverse, rtol=1e-9, atol=1e-12)
