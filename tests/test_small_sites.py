@@ -282,3 +282,24 @@ def test_jax_with_x64_off():
                 value = np.broadcast_to(subsets[0], logits.shape).astype(np.float32)
                 got = _numpy(d.log_prob(jnp.asarray(value)))[row]
                 assert abs(got - log_probs[0]) <= TOLERANCE["float32"] * max(1, abs(log_probs[0]))
+
+
+@pytest.mark.parametrize("path", ["small", "general"])
+def test_log_prob_backward_reuses_the_forward_upward_pass(path, monkeypatch):
+    """torch: ``log_prob(value).backward()`` does one upward pass (the backward pass takes
+    the marginals from the forward pass's tables by a downward pass), on the small path and
+    on the general kernels, and the gradient is ``value - marginals`` (enumeration)."""
+    logits = np.array([[0.3, -1.2, 2.0, -INF, -0.7, 1.1, 0.0], [1e4, 0.5, -1e4, 2.0, 1.0, 0, 3]])
+    k, value = 3, np.array([[1.0, 0, 1, 0, 0, 1, 0], [1, 0, 0, 1, 0, 0, 1]])
+    counted = {"small": (torch_small, "_upward"), "general": (torch_kernels, "_prepare")}
+    module, name = counted[path]
+    original, calls = getattr(module, name), []
+    monkeypatch.setattr(module, name, lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    if path == "general":
+        monkeypatch.setattr(torch_small, "applies", lambda logits, k_max: False)
+    theta = torch.tensor(logits, requires_grad=True)
+    TorchExactlyKBernoulli(logits=theta, k=k).log_prob(torch.tensor(value)).sum().backward()
+    assert len(calls) == 1
+    for row in range(2):
+        expected = value[row] - _enumerated_marginals(logits[row], k)
+        assert np.abs(_numpy(theta.grad[row]) - expected).max() <= 1e-12
