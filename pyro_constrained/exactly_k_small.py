@@ -65,15 +65,16 @@ def tilt(logits: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tensor:
     gradient), x_(j) the j-th largest logit; the one that exists for k = 0 or k = the number
     of finite logits, and 0 where there is none."""
     with torch.no_grad():
-        n = int(logits.shape[-1])
-        ordered = logits.detach().topk(min(k_max + 1, n), -1).values
-        k = k.long()[:, None]
-        upper = ordered.gather(-1, (k - 1).clamp(min=0))
-        lower = ordered.gather(-1, k.clamp(max=int(ordered.shape[-1]) - 1))
-        upper = torch.where(k >= 1, upper, lower)
-        lower = torch.where((k < n) & (lower > -_INF), lower, upper)
-        c = -(0.5 * upper + 0.5 * lower)
-        return torch.where(torch.isfinite(c), c, 0.0)
+        ordered = logits.detach().topk(min(k_max + 1, int(logits.shape[-1])), -1).values
+        # The first and last entries repeated at either end: (x_(k), x_(k+1)) is then the
+        # pair of columns k, k + 1 for every k from 0 (x_(1) twice) to n (x_(n) twice).
+        ordered = torch.cat([ordered[:, :1], ordered, ordered[:, -1:]], -1)
+        index = k.long()[:, None] + _window_index(1, 2, 1, 0, ordered.device)
+        upper, lower = ordered.gather(-1, index).unbind(-1)
+        lower = torch.where(lower > -_INF, lower, upper)
+        # -(upper / 2 + lower / 2): halves first, so that the sum cannot overflow.
+        c = torch.sub(upper * -0.5, lower, alpha=0.5)
+        return torch.nan_to_num(c, nan=0.0, posinf=0.0, neginf=0.0)[:, None]
 
 
 def _leaves(x: torch.Tensor) -> torch.Tensor:
@@ -183,8 +184,8 @@ def _root_outside(root: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 
 def _siblings(table: torch.Tensor) -> torch.Tensor:
-    left, right = _halves(table)
-    return torch.cat([right, left], -1)
+    """Each node's sibling: the halves swapped."""
+    return table.roll(int(table.shape[-1]) // 2, -1)
 
 
 def _downward(tables, k: torch.Tensor, lse=_logsumexp):
@@ -256,7 +257,7 @@ def _tangent(x, tangent, tables, up_weights, down_weights, log_odds):
         d_terms = _correlate_terms(d_outside.repeat(1, 1, 2), _siblings(d_table), 0.0)
         d_outside = (weights * d_terms).sum(1)
     d_log_odds = (d_leaves[1] - d_leaves[0] + d_outside[1] - d_outside[0])[:, :n]
-    return torch.where(torch.isfinite(log_odds), d_log_odds, 0.0)
+    return torch.where(log_odds.abs() < _INF, d_log_odds, 0.0)  # 0 where +-inf or NaN
 
 
 def _forward_pass(logits: torch.Tensor, k: torch.Tensor, k_max: int):
