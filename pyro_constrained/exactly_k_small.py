@@ -42,22 +42,25 @@ import torch.nn.functional as F
 
 from pyro_constrained.exactly_k_tracing import _static_control_flow
 
-# The largest n that takes this path, and the most table entries (batch * n * (k_max + 1)):
-# measured against the general kernels (sample_and_marginals, float32, one thread), the
-# small path is 1.3x to 2x faster up to about 2^15 entries and slower above (its exp and log
-# per entry, and its (width x width) outside terms, cost more than the general kernels'
-# linear-space sums once the call's fixed costs are amortised).
+# The largest n that takes this path, and the most table entries (batch * n * (k_max + 1)),
+# set from paired measurements against the general kernels (float32, one thread;
+# benchmarks/README.md, "Small sites"): above them the small path's exp and log per entry and
+# its (width x width) outside terms cost more than the general kernels' linear-space sums.
+# The marginals (an upward and a downward pass, a tangent pass for their derivative) stay
+# faster up to larger tables than the log normaliser and plain sampling do.
 SMALL_N = 256
 SMALL_ENTRIES = 1 << 15
+SMALL_ENTRIES_MARGINALS = 1 << 16
 
 _INF = float("inf")
 
 
-def applies(logits: torch.Tensor, k_max: int) -> bool:
-    """Whether the small path is taken (sizes only; k_max = 0 is the callers' own case)."""
+def applies(logits: torch.Tensor, k_max: int, entries: int = SMALL_ENTRIES) -> bool:
+    """Whether the small path is taken (sizes only; k_max = 0 is the callers' own case):
+    ``entries`` is the most table entries, ``SMALL_ENTRIES_MARGINALS`` for the marginals."""
     n = int(logits.shape[-1])
     batch = logits.numel() // max(n, 1)
-    return k_max > 0 and n <= SMALL_N and batch * n * (k_max + 1) <= SMALL_ENTRIES
+    return k_max > 0 and n <= SMALL_N and batch * n * (k_max + 1) <= entries
 
 
 def tilt(logits: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tensor:
