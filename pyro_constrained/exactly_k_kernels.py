@@ -91,9 +91,11 @@ def normalizer_parts(logits: torch.Tensor, k: torch.Tensor, k_max: int) -> Norma
         root_k = root.gather(-1, flat_k.long()[:, None])[:, 0]
         log_reduced = torch.log(root_k.to(torch.float64)) + log_scale
 
+        shape = logits.shape
+
         def saved_marginals() -> torch.Tensor:  # the downward pass over this upward pass
             with torch.no_grad():
-                return _marginals_from(flat_k, weights, root, levels).reshape(logits.shape)
+                return _marginals_from(flat_k, weights, root, levels).reshape(shape)
 
         return NormalizerParts(
             c.to(torch.float64).reshape(batch_shape),

@@ -103,6 +103,7 @@ def _pad_width(table: torch.Tensor, before: int, after: int, value=-_INF) -> tor
 # operator calls to build, and a call at n = 50 needs about 20 of them, every one of which
 # depends on sizes only.
 _INDEX_CACHE: dict = {}
+_INDEX_CACHE_SIZE = 512
 
 
 def _window_index(rows: int, columns: int, sign: int, offset: int, device) -> torch.Tensor:
@@ -116,6 +117,8 @@ def _window_index(rows: int, columns: int, sign: int, offset: int, device) -> to
         index = torch.arange(rows)[:, None] + sign * torch.arange(columns) + offset
         index = index.to(device)
         if not static:
+            if len(_INDEX_CACHE) >= _INDEX_CACHE_SIZE:  # a bound on its memory
+                _INDEX_CACHE.clear()
             _INDEX_CACHE[key] = index
     return index
 
@@ -336,11 +339,12 @@ def normalizer_parts(logits: torch.Tensor, k: torch.Tensor, k_max: int):
         log_reduced = root_k.to(torch.float64) + log_scale
         batch_shape = logits.shape[:-1]
 
+    shape = logits.shape
+
     def saved_marginals() -> torch.Tensor:
         with torch.no_grad():
             outside = _downward(tables, flat_k, _logsumexp_value)[0]
-            log_odds = _log_odds(tables[0], outside, int(logits.shape[-1]))
-            return torch.sigmoid(log_odds).reshape(logits.shape)
+            return torch.sigmoid(_log_odds(tables[0], outside, shape[-1])).reshape(shape)
 
     tilt_part = c[:, 0].to(torch.float64).reshape(batch_shape)
     return tilt_part, log_reduced.reshape(batch_shape), saved_marginals
