@@ -291,11 +291,16 @@ class _Marginals(torch.autograd.Function):
         mu, complement, x, log_odds = output[:4]
         levels = (len(output) - 5) // 3
         ctx.mark_non_differentiable(*output[1:])
+        # The other outputs' gradients are never used: not materialised as zero tensors
+        # (one operator call each, three per tree level).
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(logits, k, mu, complement, x, log_odds, *output[4:])
         ctx.levels, ctx.k_max = levels, k_max
 
     @staticmethod
     def backward(ctx, grad, *unused):
+        if grad is None:
+            return None, None, None
         logits, k, mu, complement, x, log_odds, *rest = ctx.saved_tensors
         levels = ctx.levels
         tables, up_weights = rest[: levels + 1], rest[levels + 1 : 2 * levels + 1]
@@ -395,7 +400,7 @@ def sample_and_marginals(
             tables = _prepare(flat_logits.detach(), flat_k, k_max, lse=_logsumexp_value)[3][0]
         mu = None
     with torch.no_grad():
-        counts = _draw([t.detach() for t in tables], flat_k, sample_shape.numel())
+        counts = _draw(tables, flat_k, sample_shape.numel())  # no gradient: non-differentiable
         z = counts[..., : int(logits.shape[-1])].to(logits.dtype)
     return z.reshape(sample_shape + logits.shape), mu
 
