@@ -22,6 +22,7 @@ from numpyro.distributions import (
 )
 from numpyro.distributions.transforms import Transform, biject_to
 
+from constrained_ppl.moving_support import refuse_once_per_guide
 from numpyro_constrained._compat import DynamicSupport, autoguide_being_set_up
 from numpyro_constrained.linear_constraint import LinearConstraint, _combine_rows, _rows_times
 
@@ -253,28 +254,6 @@ def refuse_a_moving_subspace_to_an_autoguide() -> None:
     if found is None:
         return
     guide, args, kwargs = found
-    if guide in _CHECKED_GUIDES:
-        return
-    # Marked first: the analysis runs the model, whose own requests for the bijection (an
-    # initialisation strategy's) must not start another.
-    _CHECKED_GUIDES.add(guide)
-    try:
-        moving = moving_subspaces(guide.model, args, kwargs)
-    except BaseException:
-        _CHECKED_GUIDES.discard(guide)
-        raise
-    if moving:
-        _CHECKED_GUIDES.discard(guide)
-        sites = ", ".join(
-            f"{name!r} (with {', '.join(map(repr, by))})" for name, by in moving.items()
-        )
-        config = ", ".join(f"{name!r}: LinearConstrainedNormalReparam()" for name in moving)
-        raise ValueError(
-            f"{type(guide).__name__}: the support of the LinearConstrainedNormal site(s) "
-            f"{sites}, the subspace A z = k, moves: A or k depend on those latent sites or "
-            "parameters. NumPyro's AutoGuides build each site's bijection once, from the "
-            "initial trace, so the guide's values would stay on that first subspace, off the "
-            "model's, and the ELBO would be inf. Reparameterise the site(s), which is exact: "
-            f"numpyro.handlers.reparam(model, config={{{config}}}) with "
-            "numpyro_constrained.LinearConstrainedNormalReparam (NUTS needs no reparam)."
-        )
+    refuse_once_per_guide(
+        guide, _CHECKED_GUIDES, lambda: moving_subspaces(guide.model, args, kwargs), "NumPyro"
+    )

@@ -18,6 +18,7 @@ from pyro import poutine
 from torch.distributions import biject_to, constraints, transform_to
 from torch.distributions.transforms import Transform
 
+from constrained_ppl.moving_support import refuse_once_per_guide
 from pyro_constrained._compat import autoguide_being_set_up
 from pyro_constrained.linear_constraint import LinearConstraint, _combine_rows, _rows_times
 
@@ -223,31 +224,11 @@ def refuse_a_moving_subspace_to_an_autoguide() -> None:
     guide, args, kwargs = found
     # Its first request comes from inside the prototype trace (the initialisation strategy
     # asks for the bijection), where the model cannot be run again; later ones follow it.
-    if guide in _CHECKED_GUIDES or guide.prototype_trace is None:
+    if guide.prototype_trace is None:
         return
-    # Marked first: the analysis runs the model, whose own requests for the bijection (an
-    # initialisation strategy's) must not start another.
-    _CHECKED_GUIDES.add(guide)
-    try:
-        moving = moving_subspaces(guide.model, args, kwargs)
-    except BaseException:
-        _CHECKED_GUIDES.discard(guide)
-        raise
-    if moving:
-        _CHECKED_GUIDES.discard(guide)
-        sites = ", ".join(
-            f"{name!r} (with {', '.join(map(repr, by))})" for name, by in moving.items()
-        )
-        config = ", ".join(f"{name!r}: LinearConstrainedNormalReparam()" for name in moving)
-        raise ValueError(
-            f"{type(guide).__name__}: the support of the LinearConstrainedNormal site(s) "
-            f"{sites}, the subspace A z = k, moves: A or k depend on those latent sites or "
-            "parameters. Pyro's AutoGuides build each site's bijection once, from the "
-            "prototype trace, so the guide's values would stay on that first subspace, off the "
-            "model's. Reparameterise the site(s), which is exact: "
-            f"pyro.poutine.reparam(model, config={{{config}}}) with "
-            "pyro_constrained.LinearConstrainedNormalReparam."
-        )
+    refuse_once_per_guide(
+        guide, _CHECKED_GUIDES, lambda: moving_subspaces(guide.model, args, kwargs), "Pyro"
+    )
 
 
 # HMC/NUTS and AutoGuides build the bijection of a latent site's support once, at the
