@@ -15,6 +15,7 @@ from constrained_ppl.conditioned_poisson import (
     KL_SERIES_MAX_D,
     UNDERFLOW_MARGIN,
     finite_log_zero,
+    mode_candidate_slots,
 )
 from constrained_ppl.stirling import (
     BD0_SERIES_MAX_V,
@@ -273,7 +274,7 @@ def _mode_counts(log_p: torch.Tensor, k: torch.Tensor, k_bound: int) -> torch.Te
     spread = n + 2 * (n + 8) * eps * k[..., None]
     width = (torch.floor(p * spread * (1 + 2.0**-20)) + 1).long()
     with static_under_trace():  # sizes and a static bound
-        slots = n + 1 + math.ceil((n + 2 * (n + 8) * eps * k_bound) * (1 + 2.0**-19))
+        slots = mode_candidate_slots(n, k_bound, eps)
     ends = width.cumsum(-1)
     slot = torch.arange(slots, device=log_p.device).expand(log_p.shape[:-1] + (slots,))
     # contiguous: searchsorted would copy it, with a warning.

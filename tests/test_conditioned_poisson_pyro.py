@@ -699,42 +699,6 @@ def test_repr_names_each_parameter_by_value_or_shape():
 # mode (vectorised: a lower bound plus the remaining units of largest gain, by one sort) ----
 
 
-def _reference_log_p(rate: np.ndarray) -> np.ndarray:
-    """``log(rate / sum(rate))`` in float64, written here (zero rates give ``-inf``)."""
-    with np.errstate(divide="ignore"):
-        log_rate = np.log(np.asarray(rate, dtype=np.float64))
-    return log_rate - special.logsumexp(log_rate, axis=-1, keepdims=True)
-
-
-def _brute_force_modes(log_p: np.ndarray, k: int) -> tuple[float, list]:
-    """(the largest multinomial log-pmf, every composition within 1e-12 of it) over all
-    compositions of ``k`` into ``len(log_p)`` parts, by enumeration."""
-    import itertools
-
-    n = len(log_p)
-    best, scored = -math.inf, []
-    for cuts in itertools.combinations(range(k + n - 1), n - 1):
-        parts = np.diff((-1, *cuts, k + n - 1)) - 1
-        terms = [z * lp if z else 0.0 for z, lp in zip(parts, log_p, strict=True)]
-        value = sum(terms) - sum(math.lgamma(z + 1) for z in parts)
-        scored.append((value, tuple(int(z) for z in parts)))
-        best = max(best, value)
-    tolerance = 1e-12 * max(1.0, abs(best))
-    return best, [parts for value, parts in scored if value >= best - tolerance]
-
-
-def _check_mode_against_brute_force(rate: np.ndarray, k: np.ndarray, mode: np.ndarray):
-    import itertools
-
-    for index in np.ndindex(k.shape):
-        modes = _brute_force_modes(_reference_log_p(rate[index]), int(k[index]))[1]
-        assert tuple(mode[index].astype(int)) in modes, (rate[index], k[index], modes)
-        # Ties to the lower index: equal rates get non-increasing counts.
-        for i, j in itertools.combinations(range(rate.shape[-1]), 2):
-            if rate[index][i] == rate[index][j]:
-                assert mode[index][i] >= mode[index][j]
-
-
 @pytest.mark.parametrize(
     "rate,k",
     [
@@ -753,7 +717,7 @@ def test_mode_is_a_brute_force_mode_with_ties_to_the_lower_index(rate, k):
     mode = d.mode
     assert mode.dtype == torch.float64 and mode.shape == (len(k), len(rate))
     assert torch.equal(mode.sum(-1), torch.tensor(k, dtype=torch.float64))
-    _check_mode_against_brute_force(rate_t.numpy(), np.array(k), mode.numpy())
+    oracle.check_mode_against_brute_force(rate_t.numpy(), np.array(k), mode.numpy())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -766,16 +730,7 @@ def test_mode_of_a_batch_with_per_batch_k_matches_brute_force(dtype):
     mode = d.mode
     assert mode.dtype == dtype and mode.shape == (3, 2, 4)
     # The reference takes the rates as the distribution holds them (float32 rounded).
-    _check_mode_against_brute_force(d.rate.double().numpy(), k, mode.double().numpy())
-
-
-def _is_locally_optimal(log_p: np.ndarray, mode: np.ndarray) -> bool:
-    """No single unit moved from i to j raises the log-pmf (for a separable concave pmf,
-    the condition for a global maximum): ``log p_i - log m_i >= log p_j - log(m_j + 1)``."""
-    with np.errstate(divide="ignore"):
-        give = np.where(mode > 0, log_p - np.log(np.maximum(mode, 1)), np.inf)
-    take = log_p - np.log1p(mode)
-    return bool((give.min(-1) >= take.max(-1) - 1e-12 * np.abs(take).max(-1)).all())
+    oracle.check_mode_against_brute_force(d.rate.double().numpy(), k, mode.double().numpy())
 
 
 def test_mode_agrees_with_numpyro_and_is_optimal_where_enumeration_cannot_go():
@@ -798,14 +753,14 @@ def test_mode_agrees_with_numpyro_and_is_optimal_where_enumeration_cannot_go():
     expected = NumPyroConditionedPoisson(jnp.asarray(rate), k=jnp.asarray(k)).mode
     np.testing.assert_array_equal(mode, np.asarray(expected))
     np.testing.assert_array_equal(mode.sum(-1), k)
-    assert _is_locally_optimal(_reference_log_p(rate), mode)
+    assert oracle.is_locally_optimal(oracle.reference_log_p(rate), mode)
     # The largest k float64 holds, over many categories: a composition, locally optimal to
     # the rounding of log p (there the two frameworks' log p, rounded differently, may
     # move a unit between near-tied categories).
     rate = rng.gamma(1.0, size=(1, 200))
     mode = ConditionedPoisson(torch.tensor(rate), k=2**53).mode.numpy()
     assert mode.sum() == 2**53
-    assert _is_locally_optimal(_reference_log_p(rate), mode)
+    assert oracle.is_locally_optimal(oracle.reference_log_p(rate), mode)
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated:DeprecationWarning")
