@@ -17,10 +17,12 @@ import tempfile
 
 import jax
 import numpy as np
+import numpyro
 import pyro
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+from numpyro.distributions import distribution as numpyro_distribution
 
 jax.config.update("jax_enable_x64", True)
 
@@ -96,6 +98,80 @@ def pytest_cmdline_main(config):
         and config.option.numprocesses is None
     ):
         config.option.numprocesses = "auto"
+
+
+# Process-wide settings that a test may change only for itself. Each test runs in a worker
+# process after others, so a setting one of them left behind (a default dtype, a thread
+# count, flushed denormals, a JAX flag) changes what later tests compute: a float32
+# comparison that passes alone can then fail in the full run. The guard below restores
+# every one of them after each test and fails the test that changed it.
+_JAX_FLAGS = (
+    "jax_enable_x64",
+    "jax_disable_most_optimizations",
+    "jax_default_matmul_precision",
+    "jax_numpy_rank_promotion",
+    "jax_numpy_dtype_promotion",
+    "jax_debug_nans",
+    "jax_debug_infs",
+    "jax_disable_jit",
+    "jax_default_prng_impl",
+)
+
+
+def _read_jax_flag(name):
+    try:
+        return jax.config.read(name)
+    except AttributeError:  # flags that have a context manager are read as attributes
+        return getattr(jax.config, name)
+
+
+def _flushes_denormals() -> bool:
+    # torch has no getter for set_flush_denormal: a denormal input reads as 0 when it is on.
+    return float(torch.tensor([2.0**-1070], dtype=torch.float64).mul(1.0)) == 0.0
+
+
+def _global_settings() -> dict:
+    settings_now = {
+        "torch default dtype": (torch.get_default_dtype(), torch.set_default_dtype),
+        "torch threads": (torch.get_num_threads(), torch.set_num_threads),
+        "torch grad mode": (torch.is_grad_enabled(), torch.set_grad_enabled),
+        "torch anomaly detection": (torch.is_anomaly_enabled(), torch.set_anomaly_enabled),
+        "torch deterministic algorithms": (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.use_deterministic_algorithms,
+        ),
+        "torch float32 matmul precision": (
+            torch.get_float32_matmul_precision(),
+            torch.set_float32_matmul_precision,
+        ),
+        "torch flush denormal": (_flushes_denormals(), torch.set_flush_denormal),
+        "numpyro validation": (
+            numpyro_distribution._VALIDATION_ENABLED,
+            numpyro.enable_validation,
+        ),
+        "numpy error handling": (np.geterr(), lambda errors: np.seterr(**errors)),
+    }
+    for name in _JAX_FLAGS:
+        settings_now[name] = (
+            _read_jax_flag(name),
+            lambda value, name=name: jax.config.update(name, value),
+        )
+    return settings_now
+
+
+@pytest.fixture(autouse=True)
+def _restore_global_settings():
+    """Restore the settings above after each test; fail the test that changed one."""
+    before = _global_settings()
+    yield
+    changed = []
+    for name, (value, _) in _global_settings().items():
+        previous, restore = before[name]
+        if value != previous:
+            restore(previous)
+            changed.append(f"{name}: {previous!r} -> {value!r}")
+    if changed:
+        pytest.fail("the test left global settings changed (now restored): " + "; ".join(changed))
 
 
 @pytest.fixture(autouse=True)
@@ -199,7 +275,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _jax_mode(request):
+def _jax_mode(request, _restore_global_settings):
     """The JAX configuration of one test: the suite's (``x64``) or NumPyro's default."""
     if getattr(request, "param", "x64") != _USER_CONFIG:
         yield
