@@ -197,7 +197,12 @@ def pytest_sessionfinish(session):
 # the tests whose parameters include float32 (a dtype, its name, or a conformance case of
 # that dtype) and those marked ``user_config``, except torch-only ones. ``x64_only`` keeps a
 # float32 test out of it (it needs float64 in the test itself, say so in the reason). A
-# module may name the tests that take part in ``USER_CONFIG_TESTS``.
+# module may name the tests that take part in ``USER_CONFIG_TESTS``. ``user_config_only``
+# runs a test's JAX float32 variants in that configuration alone, not also as float32 arrays
+# with x64 on: for tests that compare values to a tolerance, where x64 off is the harder case
+# (x64 on lets the library accumulate in float64) and the x64 variant only repeated it at
+# the cost of its compilations. Not for tests of dtypes: x64 on is where float32 can be
+# promoted.
 USER_CONFIG_MODULES = {
     "test_conditioned_poisson_agreement",
     "test_conditioned_poisson_numpyro",
@@ -221,6 +226,8 @@ def _is_float32(value) -> bool:
         return value == "float32"
     if value is torch.float32:
         return False
+    if isinstance(value, type) and issubclass(value, np.generic):  # np.float32 itself
+        return value is np.float32
     dtype = getattr(value, "dtype", value)
     if isinstance(dtype, str):
         return dtype == "float32"
@@ -254,6 +261,10 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "x64_only: a float32 test that needs float64 itself; not run with x64 off"
     )
+    config.addinivalue_line(
+        "markers",
+        "user_config_only: its JAX float32 variants run with x64 off only (see conftest.py)",
+    )
 
 
 def pytest_generate_tests(metafunc):
@@ -261,12 +272,23 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("_jax_mode", ["x64", _USER_CONFIG], indirect=True)
 
 
+def _only_in_user_config(item) -> bool:
+    """A JAX float32 variant with x64 on of a ``user_config_only`` test."""
+    if not item.get_closest_marker("user_config_only"):
+        return False
+    params = {name: value for name, value in item.callspec.params.items() if name != "_jax_mode"}
+    return params.get("framework") != "torch" and any(map(_is_float32, params.values()))
+
+
 def pytest_collection_modifyitems(config, items):
     selected, deselected = [], []
     for item in items:
         callspec = getattr(item, "callspec", None)
-        if callspec is not None and callspec.params.get("_jax_mode") == _USER_CONFIG:
+        mode = None if callspec is None else callspec.params.get("_jax_mode")
+        if mode == _USER_CONFIG:
             (selected if _wants_user_config(item) else deselected).append(item)
+        elif mode == "x64" and _only_in_user_config(item):
+            deselected.append(item)
         else:
             selected.append(item)
     if deselected:

@@ -85,6 +85,7 @@ def _close(actual, expected, tolerance: float) -> bool:
     return bool(np.all(same_infinity | (error <= tolerance * np.maximum(1.0, np.abs(expected)))))
 
 
+@pytest.mark.user_config_only
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 @given(logits=adversarial_logits(), data=st.data())
@@ -185,6 +186,7 @@ def test_log_prob_gradient_is_value_minus_marginals(dtype, logits, data):
     assert np.all(np.abs(grad[finite] - expected[finite]) <= 10 * TOLERANCE[dtype])
 
 
+@pytest.mark.user_config_only
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("where", ["zero", "n"])
@@ -333,6 +335,7 @@ def _jax_gradients(theta, other, z, weights, target, k: int):
     return jax.jacrev(everything, argnums=(0, 1))(theta, other)
 
 
+@pytest.mark.user_config_only
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 @given(logits=adversarial_logits(max_n=6), data=st.data())
@@ -503,6 +506,7 @@ def _probs_gradients(framework, dtype, probs, q_probs, q_same, k: int, z, weight
     return out
 
 
+@pytest.mark.user_config_only
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 @pytest.mark.parametrize("k", [1, 4])
