@@ -217,6 +217,7 @@ USER_CONFIG_MODULES = {
     "test_linear_constrained_normal_properties",
     "test_linear_constraint_agreement",
     "test_linear_constraint_numpyro",
+    "test_nn_numpyro",
 }
 _USER_CONFIG = "user-config"
 
