@@ -40,6 +40,7 @@ Method (SIMPLE Algorithms 4 and 5, in scaled linear space; the same as
   working precision.
 """
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -91,17 +92,22 @@ def normalizer_parts(logits: torch.Tensor, k: torch.Tensor, k_max: int) -> Norma
         root_k = root.gather(-1, flat_k.long()[:, None])[:, 0]
         log_reduced = torch.log(root_k.to(torch.float64)) + log_scale
 
-        shape = logits.shape
-
-        def saved_marginals() -> torch.Tensor:  # the downward pass over this upward pass
-            with torch.no_grad():
-                return _marginals_from(flat_k, weights, root, levels).reshape(shape)
-
+        # A partial of a module-level function, not a closure: the parts are kept on the
+        # distribution (a lazy property), which must stay picklable.
+        saved_marginals = functools.partial(
+            _marginals_of_kept_pass, flat_k, weights, root, levels, logits.shape
+        )
         return NormalizerParts(
             c.to(torch.float64).reshape(batch_shape),
             log_reduced.reshape(batch_shape),
             saved_marginals,
         )
+
+
+def _marginals_of_kept_pass(flat_k, weights, root, levels, shape) -> torch.Tensor:
+    """The downward pass over a kept upward pass (``normalizer_parts``): the marginals."""
+    with torch.no_grad():
+        return _marginals_from(flat_k, weights, root, levels).reshape(shape)
 
 
 def _zeros_with_gradient(logits: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,7 @@ Python branches read only sizes (n, k_max, the batch size), never values, so
 ``torch.jit.trace`` replays the same computation for any later input.
 """
 
+import functools
 import math
 
 import torch
@@ -363,15 +364,17 @@ def normalizer_parts(logits: torch.Tensor, k: torch.Tensor, k_max: int):
         log_reduced = root_k.to(torch.float64) + log_scale
         batch_shape = logits.shape[:-1]
 
-    shape = logits.shape
-
-    def saved_marginals() -> torch.Tensor:
-        with torch.no_grad():
-            outside = _downward(tables, flat_k, _logsumexp_value)[0]
-            return torch.sigmoid(_log_odds(tables[0], outside, shape[-1])).reshape(shape)
-
+    # A partial, not a closure: the parts are kept on the distribution, which must pickle.
+    saved_marginals = functools.partial(_marginals_of_kept_pass, tables, flat_k, logits.shape)
     tilt_part = c[:, 0].to(torch.float64).reshape(batch_shape)
     return tilt_part, log_reduced.reshape(batch_shape), saved_marginals
+
+
+def _marginals_of_kept_pass(tables, flat_k, shape) -> torch.Tensor:
+    """The downward pass over a kept upward pass (``normalizer_parts``): the marginals."""
+    with torch.no_grad():
+        outside = _downward(tables, flat_k, _logsumexp_value)[0]
+        return torch.sigmoid(_log_odds(tables[0], outside, shape[-1])).reshape(shape)
 
 
 def _draw(tables, k: torch.Tensor, num_samples: int) -> torch.Tensor:
