@@ -56,6 +56,40 @@ class _OddsTangents(NamedTuple):
     probs: torch.Tensor
 
 
+def odds_tangents(probs, ratios, minus, plus, mu, infeasible) -> _OddsTangents:
+    """The ``_OddsTangents`` of a normaliser over the free variables whose neighbours, one
+    or two more ones among the variables at ``probs`` of exactly 0 (or fewer at 1), have
+    the ratios ``ratios[step]`` (shape ``batch``; ``step`` the change of the free
+    variables' count: -1 and -2 for one and two variables at 0 switched on, +1 and +2 for
+    variables at 1 switched off; 0 where impossible, at most the dtype's largest number)
+    and the marginals ``minus`` (step -1) and ``plus`` (step +1); ``mu`` the marginals at
+    the point. ``ExactlyKBernoulli`` (one count: ``e_{k + step} / e_k``) and
+    ``CountConstrainedBernoulli`` (a range of counts: the range's sums shifted by ``step``)
+    share it."""
+    off, on = probs == 0, probs == 1
+    largest = torch.finfo(probs.dtype).max
+    r_minus, r_plus = ratios[-1][..., None], ratios[1][..., None]
+    d_off = torch.where(off, probs - probs.detach(), 0.0)
+    d_on = torch.where(on, probs - probs.detach(), 0.0)
+    sum_off, sum_on = d_off.sum(-1, keepdim=True), d_on.sum(-1, keepdim=True)
+    change_minus = torch.nan_to_num(r_minus * (minus - mu), 0.0, largest, -largest)
+    change_plus = torch.nan_to_num(r_plus * (plus - mu), 0.0, largest, -largest)
+    marginals = sum_off * change_minus - sum_on * change_plus + r_minus * d_off + r_plus * d_on
+    direction = torch.where(off & (r_minus > 0), 1.0, 0.0)
+    direction = torch.where(on & (r_plus > 0), -1.0, direction).to(probs.dtype)
+    # The odds as real functions of the probs (0 at the point): second derivatives too.
+    at_zero = torch.where(off, probs, 0.0)
+    at_one = torch.where(on, probs, 1.0)
+    w, v = at_zero / (1 - at_zero), (1 - at_one) / at_one
+    sum_w, sum_v = w.sum(-1), v.sum(-1)
+    pairs_w = (sum_w**2 - (w**2).sum(-1)) / 2
+    pairs_v = (sum_v**2 - (v**2).sum(-1)) / 2
+    ratio = ratios[-1] * sum_w + ratios[1] * sum_v + ratios[-2] * pairs_w + ratios[2] * pairs_v
+    ratio = torch.where(infeasible, 0.0, ratio + sum_w * sum_v)
+    softplus = (torch.log1p(-at_zero) + torch.log(at_one)).sum(-1)
+    return _OddsTangents(torch.log1p(ratio), marginals, softplus, direction, probs)
+
+
 def _infinite_slope(probs: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
     """Zero (shape ``batch``) whose derivative in ``probs`` is ``direction`` times the
     dtype's largest finite number, standing for an infinite one-sided derivative: a true

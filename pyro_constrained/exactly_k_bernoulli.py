@@ -40,6 +40,7 @@ from pyro_constrained._ekb_terms import (
     _OddsTangents,
     _softplus,
     _value_with_gradient_of,
+    odds_tangents,
 )
 from pyro_constrained._ekb_terms import _kl_exactly_k_bernoulli as _kl
 from pyro_constrained._repr import parameters_repr
@@ -310,28 +311,8 @@ class ExactlyKBernoulli(TorchDistribution):
                 free = kernels.marginals(self._kernel_logits, k, size) if size else None
                 free = torch.zeros_like(self.logits) if free is None else free
                 neighbours.append(self._complete(free, 1.0, 0.0, 0.0, k_free=k))
-        largest = torch.finfo(self.logits.dtype).max
-        r_minus, r_plus = r[-1][..., None], r[1][..., None]
         mu = self._free_marginal_pair[0]
-        d_off = torch.where(off, probs - probs.detach(), 0.0)
-        d_on = torch.where(on, probs - probs.detach(), 0.0)
-        sum_off, sum_on = d_off.sum(-1, keepdim=True), d_on.sum(-1, keepdim=True)
-        change_minus = torch.nan_to_num((r_minus * (neighbours[0] - mu)), 0.0, largest, -largest)
-        change_plus = torch.nan_to_num((r_plus * (neighbours[1] - mu)), 0.0, largest, -largest)
-        marginals = sum_off * change_minus - sum_on * change_plus + r_minus * d_off + r_plus * d_on
-        direction = torch.where(off & (r_minus > 0), 1.0, 0.0)
-        direction = torch.where(on & (r_plus > 0), -1.0, direction).to(self.logits.dtype)
-        # The odds as real functions of the probs (0 at the point): second derivatives too.
-        at_zero = torch.where(off, probs, 0.0)
-        at_one = torch.where(on, probs, 1.0)
-        w, v = at_zero / (1 - at_zero), (1 - at_one) / at_one
-        sum_w, sum_v = w.sum(-1), v.sum(-1)
-        pairs_w = (sum_w**2 - (w**2).sum(-1)) / 2
-        pairs_v = (sum_v**2 - (v**2).sum(-1)) / 2
-        ratio = r[-1] * sum_w + r[1] * sum_v + r[-2] * pairs_w + r[2] * pairs_v + sum_w * sum_v
-        ratio = torch.where(self._infeasible, 0.0, ratio)
-        softplus = (torch.log1p(-at_zero) + torch.log(at_one)).sum(-1)
-        return _OddsTangents(torch.log1p(ratio), marginals, softplus, direction, probs)
+        return odds_tangents(probs, r, neighbours[0], neighbours[1], mu, self._infeasible)
 
     def _count_ratio(self, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``e_{k_free + step} / e_{k_free}`` over the free variables (0 where that count is
