@@ -75,13 +75,16 @@ def new_count_tangents(probs: torch.Tensor, log_pmf: torch.Tensor) -> torch.Tens
 
 def range_tangents(
     probs: torch.Tensor, logits: torch.Tensor, low: torch.Tensor, high: torch.Tensor
-) -> _OddsTangents:
+) -> tuple[_OddsTangents, torch.Tensor]:
     """The ``_OddsTangents`` of the normaliser ``P(low <= K <= high)`` (its log, less the
     probs' own ``log(1 - p)`` and ``log p`` at the 0s and 1s, which ``softplus`` carries):
     switching ``a`` variables at 0 on and ``b`` at 1 off moves the free variables' count
     range by ``b - a``, so the ratios are the range's sums of the free counts' probabilities
     shifted by that step, over the sum at the point, and the neighbour marginals the
-    mixtures of the exactly-k marginals over the shifted range."""
+    mixtures of the exactly-k marginals over the shifted range. Second: zeros of shape
+    ``batch + (n + 1,)`` carrying the derivative of ``P(K = j | range)`` that the counts
+    next to j contribute (``P(K = j - 1) / P(range)`` per 0 switched on, ``P(K = j + 1) /
+    P(range)`` per 1 switched off); the normaliser's share is in the first."""
     n = logits.shape[-1]
     on_count = (logits == torch.inf).sum(-1)
     top = n - (logits == -torch.inf).sum(-1)  # the largest count the infinite logits allow
@@ -113,7 +116,18 @@ def range_tangents(
         for shift in (-2, -1, 1, 2)
     }
     mu = mixtures_at_point(log_p, mu_rows, counts, low, high)
-    return odds_tangents(probs, ratios, mixtures[-1], mixtures[1], mu, infeasible)
+    tangents = odds_tangents(probs, ratios, mixtures[-1], mixtures[1], mu, infeasible)
+    relative = torch.where(possible, (log_p - log_sums[0]).exp().nan_to_num(0.0), 0.0)
+    sum_off = torch.where(probs == 0, probs - probs.detach(), 0.0).sum(-1)
+    sum_on = torch.where(probs == 1, probs - probs.detach(), 0.0).sum(-1)
+    table = probs.new_zeros(first.shape + (n + 1,))
+    for move, shift in ((sum_off, 1), (-sum_on, -1)):
+        target = counts + shift
+        inside = (target >= low) & (target <= high) & (target >= 0) & (target <= n)
+        share = torch.where(inside, relative, 0.0) * move
+        index = target.clamp(0, n).movedim(0, -1)
+        table = table.scatter_add(-1, index, share.movedim(0, -1))
+    return tangents, table
 
 
 def mixtures_at_point(log_p, mu_rows, counts, low, high) -> torch.Tensor:
