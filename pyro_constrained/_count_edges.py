@@ -108,7 +108,7 @@ def range_tangents(
         inside = (counts >= low + shift) & (counts <= high + shift)
         log_w = torch.where(inside, log_p, -torch.inf)
         log_sums[shift] = torch.logsumexp(log_w, 0)
-        if shift in (-1, 1):
+        if shift != 0:
             weights = torch.softmax(log_w, 0).nan_to_num(0.0)[..., None]
             mixtures[shift] = torch.where(weights > 0, weights * mu_rows, 0.0).sum(0)
     ratios = {
@@ -116,7 +116,7 @@ def range_tangents(
         for shift in (-2, -1, 1, 2)
     }
     mu = mixtures_at_point(log_p, mu_rows, counts, low, high)
-    tangents = odds_tangents(probs, ratios, mixtures[-1], mixtures[1], mu, infeasible)
+    tangents = odds_tangents(probs, ratios, mixtures, mu, infeasible)
     relative = torch.where(possible, (log_p - log_sums[0]).exp().nan_to_num(0.0), 0.0)
     sum_off = torch.where(probs == 0, probs - probs.detach(), 0.0).sum(-1)
     sum_on = torch.where(probs == 1, probs - probs.detach(), 0.0).sum(-1)

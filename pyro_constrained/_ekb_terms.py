@@ -56,36 +56,47 @@ class _OddsTangents(NamedTuple):
     probs: torch.Tensor
 
 
-def odds_tangents(probs, ratios, minus, plus, mu, infeasible) -> _OddsTangents:
+def odds_tangents(probs, ratios, neighbours, mu, infeasible) -> _OddsTangents:
     """The ``_OddsTangents`` of a normaliser over the free variables whose neighbours, one
     or two more ones among the variables at ``probs`` of exactly 0 (or fewer at 1), have
     the ratios ``ratios[step]`` (shape ``batch``; ``step`` the change of the free
     variables' count: -1 and -2 for one and two variables at 0 switched on, +1 and +2 for
     variables at 1 switched off; 0 where impossible, at most the dtype's largest number)
-    and the marginals ``minus`` (step -1) and ``plus`` (step +1); ``mu`` the marginals at
-    the point. ``ExactlyKBernoulli`` (one count: ``e_{k + step} / e_k``) and
+    and the marginals ``neighbours[step]``; ``mu`` the marginals at the point.
+    ``ExactlyKBernoulli`` (one count: ``e_{k + step} / e_k``) and
     ``CountConstrainedBernoulli`` (a range of counts: the range's sums shifted by ``step``)
-    share it."""
+    share it. With the odds ``w`` (at 0s) and ``v = 1 / w`` (at 1s) as real functions of
+    the probs, ``Z_all / Z = 1 + ratio`` to second order, and the marginals are its
+    derivatives: ``mu_j += d ratio / d theta_j / (1 + ratio)`` for a free j (``d r_s /
+    d theta_j = r_s (M_s,j - mu_j)``), ``w_i d log(1 + ratio) / d w_i`` at a 0 and ``1 -
+    v_i d log(1 + ratio) / d v_i`` at a 1: values, first and second derivatives (Hessians
+    in the probs) are the one-sided ones."""
     off, on = probs == 0, probs == 1
     largest = torch.finfo(probs.dtype).max
-    r_minus, r_plus = ratios[-1][..., None], ratios[1][..., None]
-    d_off = torch.where(off, probs - probs.detach(), 0.0)
-    d_on = torch.where(on, probs - probs.detach(), 0.0)
-    sum_off, sum_on = d_off.sum(-1, keepdim=True), d_on.sum(-1, keepdim=True)
-    change_minus = torch.nan_to_num(r_minus * (minus - mu), 0.0, largest, -largest)
-    change_plus = torch.nan_to_num(r_plus * (plus - mu), 0.0, largest, -largest)
-    marginals = sum_off * change_minus - sum_on * change_plus + r_minus * d_off + r_plus * d_on
-    direction = torch.where(off & (r_minus > 0), 1.0, 0.0)
-    direction = torch.where(on & (r_plus > 0), -1.0, direction).to(probs.dtype)
-    # The odds as real functions of the probs (0 at the point): second derivatives too.
+    direction = torch.where(off & (ratios[-1][..., None] > 0), 1.0, 0.0)
+    direction = torch.where(on & (ratios[1][..., None] > 0), -1.0, direction).to(probs.dtype)
+    # The odds as real functions of the probs (0 at the point).
     at_zero = torch.where(off, probs, 0.0)
     at_one = torch.where(on, probs, 1.0)
     w, v = at_zero / (1 - at_zero), (1 - at_one) / at_one
     sum_w, sum_v = w.sum(-1), v.sum(-1)
     pairs_w = (sum_w**2 - (w**2).sum(-1)) / 2
     pairs_v = (sum_v**2 - (v**2).sum(-1)) / 2
-    ratio = ratios[-1] * sum_w + ratios[1] * sum_v + ratios[-2] * pairs_w + ratios[2] * pairs_v
+    coefficients = {-1: sum_w, 1: sum_v, -2: pairs_w, 2: pairs_v}
+    ratio = sum(ratios[step] * coefficients[step] for step in coefficients)
     ratio = torch.where(infeasible, 0.0, ratio + sum_w * sum_v)
+    scale = (1 + ratio)[..., None]
+    change = sum(
+        coefficients[step][..., None]
+        * torch.nan_to_num(
+            ratios[step][..., None] * (neighbours[step] - mu), 0.0, largest, -largest
+        )
+        for step in coefficients
+    )
+    r = {step: ratios[step][..., None] for step in coefficients}
+    at_off = w * (r[-1] + r[-2] * (sum_w[..., None] - w) + sum_v[..., None])
+    at_on = -v * (r[1] + r[2] * (sum_v[..., None] - v) + sum_w[..., None])
+    marginals = torch.where(off, at_off, torch.where(on, at_on, change)) / scale
     softplus = (torch.log1p(-at_zero) + torch.log(at_one)).sum(-1)
     return _OddsTangents(torch.log1p(ratio), marginals, softplus, direction, probs)
 

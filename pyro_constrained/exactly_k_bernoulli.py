@@ -304,15 +304,14 @@ class ExactlyKBernoulli(TorchDistribution):
         # mixed second derivatives with an interior prob are right. Tables with room for
         # k_free + 2 ones: the second-order terms' coefficients.
         size = min(self._table_size + 2, self.event_shape[0])
-        r, neighbours = {}, []
+        r, neighbours = {}, {}
         for step in (-2, -1, 1, 2):
             r[step], k = self._count_ratio(step, size)
-            if abs(step) == 1:
-                free = kernels.marginals(self._kernel_logits, k, size) if size else None
-                free = torch.zeros_like(self.logits) if free is None else free
-                neighbours.append(self._complete(free, 1.0, 0.0, 0.0, k_free=k))
+            free = kernels.marginals(self._kernel_logits, k, size) if size else None
+            free = torch.zeros_like(self.logits) if free is None else free
+            neighbours[step] = self._complete(free, 1.0, 0.0, 0.0, k_free=k)
         mu = self._free_marginal_pair[0]
-        return odds_tangents(probs, r, neighbours[0], neighbours[1], mu, self._infeasible)
+        return odds_tangents(probs, r, neighbours, mu, self._infeasible)
 
     def _count_ratio(self, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``e_{k_free + step} / e_{k_free}`` over the free variables (0 where that count is
