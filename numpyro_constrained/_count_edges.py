@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from numpyro_constrained._ekb_terms import _free_problem, _odds_terms
+from numpyro_constrained._ekb_terms import _free_problem, _odds_series, _odds_terms
 from numpyro_constrained.exactly_k_bernoulli import ExactlyKBernoulli
 
 __all__ = [
@@ -129,15 +129,14 @@ def range_terms(width: int, probs, logits, low, high):
         inside = (counts >= low + shift) & (counts <= high + shift)
         log_w = jnp.where(inside, log_p, -jnp.inf)
         log_sums[shift] = jax.nn.logsumexp(log_w, axis=0)
-        if shift in (-1, 0, 1):
-            weights = jnp.nan_to_num(jax.nn.softmax(log_w, axis=0), nan=0.0)[..., None]
-            mixtures[shift] = jnp.where(weights > 0, weights * mu_rows, 0.0).sum(0)
+        weights = jnp.nan_to_num(jax.nn.softmax(log_w, axis=0), nan=0.0)[..., None]
+        mixtures[shift] = jnp.where(weights > 0, weights * mu_rows, 0.0).sum(0)
     ratio = {
         shift: jnp.nan_to_num(jnp.minimum(jnp.exp(log_sums[shift] - log_sums[0]), largest))
         for shift in (-2, -1, 1, 2)
     }
-    log_normalizer, marginals, softplus = odds_series(
-        probs, ratio, mixtures[-1], mixtures[1], mixtures[0], infeasible
+    log_normalizer, marginals, softplus = _odds_series(
+        probs, ratio, mixtures, mixtures[0], infeasible
     )
     relative = jnp.where(possible, jnp.nan_to_num(jnp.exp(log_p - log_sums[0])), 0.0)
     sum_off = jnp.where(probs == 0, _delta(probs), 0.0).sum(-1)
@@ -150,30 +149,3 @@ def range_terms(width: int, probs, logits, low, high):
         one_hot = jax.nn.one_hot(jnp.clip(target, 0, n), n + 1, dtype=probs.dtype)
         table = table + (share[..., None] * one_hot).sum(0)
     return log_normalizer, marginals, softplus, table
-
-
-def odds_series(probs, ratios, minus, plus, mu, infeasible):
-    """(log Z_all - log Z to second order in the odds, the marginals' first-order terms,
-    the softplus term): ``ExactlyKBernoulli``'s ``_OddsTerms`` as zero-valued functions of
-    the probs, for a normaliser whose neighbours (``step`` = the change of the free
-    variables' count) have the ratios ``ratios[step]`` and the marginals ``minus`` (step
-    -1), ``plus`` (step +1)."""
-    off, on = probs == 0, probs == 1
-    largest = float(jnp.finfo(probs.dtype).max)
-    r_minus, r_plus = ratios[-1][..., None], ratios[1][..., None]
-    d_off = jnp.where(off, _delta(probs), 0.0)
-    d_on = jnp.where(on, _delta(probs), 0.0)
-    sum_off, sum_on = d_off.sum(-1, keepdims=True), d_on.sum(-1, keepdims=True)
-    change_minus = jnp.nan_to_num(r_minus * (minus - mu), nan=0.0, posinf=largest, neginf=-largest)
-    change_plus = jnp.nan_to_num(r_plus * (plus - mu), nan=0.0, posinf=largest, neginf=-largest)
-    marginals = sum_off * change_minus - sum_on * change_plus + r_minus * d_off + r_plus * d_on
-    at_zero = jnp.where(off, probs, 0.0)
-    at_one = jnp.where(on, probs, 1.0)
-    w, v = at_zero / (1 - at_zero), (1 - at_one) / at_one
-    sum_w, sum_v = w.sum(-1), v.sum(-1)
-    pairs_w = (sum_w**2 - (w**2).sum(-1)) / 2
-    pairs_v = (sum_v**2 - (v**2).sum(-1)) / 2
-    ratio = ratios[-1] * sum_w + ratios[1] * sum_v + ratios[-2] * pairs_w + ratios[2] * pairs_v
-    ratio = jnp.where(infeasible, 0.0, ratio + sum_w * sum_v)
-    softplus = (jnp.log1p(-at_zero) + jnp.log(at_one)).sum(-1)
-    return jnp.log1p(ratio), marginals, softplus

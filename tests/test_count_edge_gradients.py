@@ -327,3 +327,70 @@ def test_exactly_k_kl_counts_the_variables_p_forces_and_q_leaves_free(framework)
                 nc.ExactlyKBernoulli(logits=jnp.asarray(q_logits), k=k),
             )
         assert abs(float(kl) - expected) <= 1e-12 * max(1.0, expected), (k, float(kl), expected)
+
+
+def _hessian_by_differences(function, x: np.ndarray, step: float = 1e-4) -> np.ndarray:
+    """Central second differences of a vector function (the probs move into (0, 1) and
+    beyond, where the enumerated polynomials continue analytically)."""
+    n = x.shape[0]
+    out = None
+    for i, j in itertools.product(range(n), repeat=2):
+
+        def at(a, b, i=i, j=j):
+            moved = x.copy()
+            moved[i] += a
+            moved[j] += b
+            return function(moved)
+
+        entry = (at(step, step) - at(step, -step) - at(-step, step) + at(-step, -step)) / (
+            4 * step * step
+        )
+        if out is None:
+            out = np.zeros(entry.shape + (n, n))
+        out[..., i, j] = entry
+    return out
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_exactly_k_hessians_of_mean_and_variance_at_probs_of_exactly_zero_and_one(framework):
+    """Issue 29: the marginals' odds terms were first order only, so the Hessians in
+    ``probs`` of ``mean`` and ``variance`` were wrong in every entry that involves an exact
+    0 or 1 (off by up to 1.9 here). Two 0s and two 1s with two free ones to place, so that
+    every second-order coefficient is nonzero; against the enumerated marginals (rational
+    functions of the probs) in float64."""
+    probs = np.array([0.0, 0.0, 1.0, 1.0, 0.3, 0.6, 0.2, 0.5])
+    weights = np.array([0.5, -1.0, 2.0, 0.3, -0.7, 0.4, 1.1, -0.2])
+    k = 4
+    rows = np.array(
+        [np.isin(np.arange(8), ones) for ones in itertools.combinations(range(8), k)], float
+    )
+
+    def enumerated(p):
+        masses = _weights_of(p, rows)
+        mu = (masses / masses.sum()) @ rows
+        return np.array([mu @ weights, (mu * (1 - mu)) @ weights])
+
+    expected = _hessian_by_differences(enumerated, probs)
+    if framework == "torch":
+
+        def scalar(p, index):
+            d = pc.ExactlyKBernoulli(probs=p, k=k)
+            return ((d.mean if index == 0 else d.variance) * torch.tensor(weights)).sum()
+
+        actual = np.stack(
+            [
+                torch.autograd.functional.hessian(
+                    lambda p, i=i: scalar(p, i), torch.tensor(probs)
+                ).numpy()
+                for i in range(2)
+            ]
+        )
+    else:
+
+        def both(p):
+            d = nc.ExactlyKBernoulli(probs=p, k=k)
+            w = jnp.asarray(weights)
+            return jnp.stack([(d.mean * w).sum(), (d.variance * w).sum()])
+
+        actual = np.asarray(jax.hessian(both)(jnp.asarray(probs)))
+    np.testing.assert_allclose(actual, expected, atol=1e-6 * max(1.0, np.abs(expected).max()))
