@@ -77,15 +77,10 @@ class _OddsTerms(NamedTuple):
         Z_all / Z = 1 + r_-1 sum w + r_+1 sum v + r_-2 e_2(w) + r_+2 e_2(v) + sum w sum v
                     + (terms of third order in w, v),
 
-    so ``log Z`` gains ``log1p`` of that sum (``_edge_log_terms``): exact to second order,
-    so that first and second derivatives (Hessians) are the one-sided ones. To first order,
-
-        mu_j += r_-1 (M_-j - mu_j) sum_{p_i = 0} dp_i - r_+1 (M_+j - mu_j) sum_{p_i = 1} dp_i
-                + (r_-1 [p_j = 0] + r_+1 [p_j = 1]) dp_j,
-
-    with ``M_-`` the marginals with one fewer one and ``M_+`` with one more (first order
-    only: the marginals' second derivatives at an exact 0 or 1 are not these). The fields
-    are zeros carrying these derivatives (a ``custom_jvp``: the extra kernels run only under
+    so ``log Z`` gains ``log1p`` of that sum and the marginals its derivatives, with the
+    marginals ``M_m`` of the counts ``k_free + m`` (``_odds_series``): exact to second
+    order, so that first and second derivatives (Hessians) are the one-sided ones. The
+    fields are zeros carrying these derivatives (a ``custom_jvp``: the extra kernels run only under
     differentiation; coefficients held to the dtype's finite range). ``softplus``: the
     constraint probability's extra term, ``sum_{p_i = 0} log(1 - p_i) + sum_{p_j = 1}
     log p_j`` (0 at the point)."""

@@ -28,21 +28,20 @@ def _value_with_gradient_of(value: torch.Tensor, formula: torch.Tensor) -> torch
 
 
 class _OddsTangents(NamedTuple):
-    """First-order terms that give the derivatives in ``probs`` at exact 0 and 1, where the
-    logits are infinite and the chain rule through them would be ``0 * inf``. Every quantity
-    is a rational function of the odds ``w_i = p_i / (1 - p_i)`` near ``w_i = 0`` (and of
-    ``1 / w_i`` near ``p_i = 1``), with ``dw/dp = 1`` at ``p = 0`` and ``d(1/w)/dp = -1`` at
-    ``p = 1``: the one-sided derivatives are those of
+    """Terms that give the derivatives in ``probs`` at exact 0 and 1, where the logits are
+    infinite and the chain rule through them would be ``0 * inf``. Every quantity is a
+    rational function of the odds ``w_i = p_i / (1 - p_i)`` near ``w_i = 0`` (and of
+    ``v_i = 1 / w_i`` near ``p_i = 1``). With ``Z`` the normaliser over the free variables
+    (``k_free`` ones among them) and ``r_m = e_{k_free + m} / e_{k_free}`` (0 where the count
+    is out of range),
 
-        log Z += r_- sum_{p_i = 0} dp_i - r_+ sum_{p_i = 1} dp_i,
-        mu_j  += r_- (M_-j - mu_j) sum_{p_i = 0} dp_i - r_+ (M_+j - mu_j) sum_{p_i = 1} dp_i
-                 + (r_- [p_j = 0] + r_+ [p_j = 1]) dp_j,
+        Z_all / Z = 1 + r_-1 sum w + r_+1 sum v + r_-2 e_2(w) + r_+2 e_2(v) + sum w sum v
+                    + (terms of third order in w, v),
 
-    with ``Z`` the normaliser over the free variables (``k_free`` ones among them),
-    ``r_- = e_{k_free - 1} / e_{k_free}`` and ``M_-`` the marginals with one fewer one,
-    ``r_+ = e_{k_free + 1} / e_{k_free}`` and ``M_+`` with one more (0 where the count is
-    out of range). The fields are zero-valued tensors carrying these derivatives (their
-    coefficients held to the dtype's finite range, so that a value is never ``0 * inf``)."""
+    and the marginals are the derivatives of ``log`` of that sum (see ``odds_tangents``,
+    which builds them): values 0 at the point, first and second derivatives the one-sided
+    ones. The fields are zero-valued tensors carrying these derivatives (their coefficients
+    held to the dtype's finite range, so that a value is never ``0 * inf``)."""
 
     log_normalizer: torch.Tensor
     marginals: torch.Tensor
