@@ -2,7 +2,7 @@
 ``CountConstrainedBernoulli``) in ``probs`` of exactly 0 and 1 (NumPyro); the method is
 that of ``pyro_constrained._count_edges`` (see there and docs/numerics.md). The terms are
 zeros carrying those derivatives; the ones that need extra kernel passes are computed only
-under differentiation (``zeros_carrying``, a ``custom_jvp``)."""
+under differentiation (``range_zeros`` and ``_odds_terms``, ``custom_jvp`` functions)."""
 
 from functools import partial
 
@@ -18,23 +18,25 @@ __all__ = [
     "new_count_tangents",
     "range_direction",
     "range_terms",
+    "range_zeros",
     "unbounded",
-    "zeros_carrying",
 ]
 
 
-@partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-def zeros_carrying(function, static, *args):
-    """Zeros shaped as ``function(static, *args)`` (a function worth 0 at the point) whose
-    derivatives are the function's: it is evaluated only under differentiation."""
-    shapes = jax.eval_shape(partial(function, static), *args)
-    return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+@partial(jax.custom_jvp, nondiff_argnums=(0,))
+def range_zeros(width: int, probs, logits, low, high):
+    """Zeros shaped as ``range_terms``' outputs, whose derivatives are ``range_terms``':
+    the extra kernel passes run only under differentiation."""
+    batch = jnp.broadcast_shapes(probs.shape[:-1], jnp.shape(low), jnp.shape(high))
+    n = probs.shape[-1]
+    zeros = jnp.zeros(batch + (n + 1,), probs.dtype)
+    return zeros[..., 0], zeros[..., :n], zeros[..., 0], zeros
 
 
-@zeros_carrying.defjvp
-def _zeros_carrying_jvp(function, static, primals, tangents):
-    out = zeros_carrying(function, static, *primals)
-    _, tangent = jax.jvp(partial(function, static), primals, tangents)
+@range_zeros.defjvp
+def _range_zeros_jvp(width, primals, tangents):
+    out = range_zeros(width, *primals)
+    _, tangent = jax.jvp(partial(range_terms, width), primals, tangents)
     return out, tangent
 
 
@@ -104,7 +106,7 @@ def range_terms(width: int, probs, logits, low, high):
     from the neighbouring counts), zero-valued functions of the probs with the one-sided
     derivatives at exact 0s and 1s (see ``pyro_constrained._count_edges.range_tangents``).
     ``width``: the static number of counts in the widest range; evaluate it through
-    ``zeros_carrying``."""
+    ``range_zeros``."""
     n = logits.shape[-1]
     on_count = (logits == jnp.inf).sum(-1)
     top = n - (logits == -jnp.inf).sum(-1)

@@ -211,7 +211,7 @@ class CountConstrainedBernoulli(Distribution):
         if not self._from_probs:
             return None
         args = (self.probs, self.logits, self.low, self.high)
-        return edges.zeros_carrying(edges.range_terms, self._width(), *args)
+        return edges.range_zeros(self._width(), *args)
 
     def _log_weights(self, stacked, in_range, edge=None):
         """(log P(K = k | range) for the stacked counts, log P(range))."""
