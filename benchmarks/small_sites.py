@@ -19,7 +19,9 @@ same load; times are the process's CPU time, which on a shared machine with one 
 what the wall-clock time would be on an idle one. Target: ratio <= 5.
 
 Run from the repository root: ``python -m benchmarks.small_sites`` (``--quick``: fewer
-repeats; ``--packages torch`` or ``jax``).
+repeats; ``--packages torch`` or ``jax``; ``--count-ops``: instead of timing, the number of
+torch operator calls of each side (``aten::`` calls not nested in another, views included),
+which is what the torch times follow at these sizes).
 """
 
 import argparse
@@ -67,6 +69,20 @@ def paired_best_times(ours, reference, repeats: int, seconds: float) -> tuple[fl
                 function()
             best[index] = min(best[index], (time.process_time() - start) / calls)
     return best[0], best[1]
+
+
+def operator_calls(function) -> int:
+    """The number of torch operator calls of one call of ``function`` (after a first one):
+    the profiler's ``aten::`` events not nested in another (autograd's backward included)."""
+    function()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        function()
+    calls = 0
+    for event in profile.events():
+        parent = event.cpu_parent
+        if event.name.startswith("aten::") and not (parent and parent.name.startswith("aten::")):
+            calls += 1
+    return calls
 
 
 def torch_gumbel_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -172,14 +188,34 @@ def jax_cases(batch: int, n: int, k: int):
     return cases, compile_times
 
 
+def count_operator_calls(batches, sizes) -> None:
+    print("torch operator calls per call (forward and backward, construction included)\n")
+    print("| batch | n | k | rsample + backward | Gumbel-top-k | log_prob + backward | Bernoulli |")
+    print("|---" * 7 + "|")
+    for batch in batches:
+        for n in sizes:
+            for k in ks_for(n):
+                cases = torch_cases(batch, n, k)
+                counts = [
+                    operator_calls(f) for name in ("rsample", "log_prob") for f in cases[name]
+                ]
+                print(f"| {batch} | {n} | {k} | " + " | ".join(map(str, counts)) + " |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer and shorter repeats")
     parser.add_argument("--packages", nargs="+", default=["torch", "jax"])
     parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
     parser.add_argument("--sizes", nargs="+", type=int, default=list(SIZES))
+    parser.add_argument(
+        "--count-ops", action="store_true", help="torch operator calls instead of times"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.count_ops:
+        count_operator_calls(args.batches, args.sizes)
+        return
     repeats, seconds = (3, 0.02) if args.quick else (7, 0.05)
     print(f"one thread; CPU time per call, best of {repeats}; target ratio <= {TARGET_RATIO:g}")
     misses = 0

@@ -46,3 +46,12 @@ def finite_log_zero(smallest: float) -> float:
     1e8 times it, ``exp`` still underflows to 0, and unlike ``-inf`` it gives 0 (not NaN)
     times 0 and in gradients."""
     return smallest / 1e8
+
+
+def mode_candidate_slots(n: int, k_bound: int, eps: float) -> int:
+    """The static number of candidate units the sort-based ``mode`` considers beyond its
+    lower bound ``floor(k p (1 - (n + 8) eps))``, for ``n`` categories and ``k <= k_bound``:
+    a mode is at most ``(k + n) p_i`` entrywise, so coordinate ``i`` needs at most
+    ``floor(p_i (n + 2 (n + 8) eps k) (1 + 2**-20)) + 1`` candidates, which sum to at most
+    this (the extra ``2**-19`` covers the rounding of the per-coordinate widths)."""
+    return n + 1 + math.ceil((n + 2 * (n + 8) * eps * k_bound) * (1 + 2.0**-19))

@@ -91,6 +91,29 @@ def default_validate_args() -> bool:
 
 
 # ---------------------------------------------------------------------------------------
+# JAX's scoped x64 switch.
+#
+# Relies on: a context manager that switches ``jax_enable_x64`` for a block only. JAX
+# spells it ``jax.enable_x64`` in the newest releases (0.10) and only
+# ``jax.experimental.enable_x64`` in older ones (0.7.0, this package's floor), which the
+# newest no longer have. The compat test checks that one of the two exists and switches
+# the mode for its block only.
+# ---------------------------------------------------------------------------------------
+
+
+def enable_x64(new_val: bool = True):
+    """A context manager in which JAX's x64 mode is ``new_val`` (restored on exit)."""
+    import jax
+
+    switch = getattr(jax, "enable_x64", None)
+    if switch is None:
+        import jax.experimental
+
+        switch = jax.experimental.enable_x64
+    return switch(new_val)
+
+
+# ---------------------------------------------------------------------------------------
 # Replaying the model when a support moves.
 #
 # Relies on: ``numpyro.infer.util._transforms_from_trace`` (numpyro 0.22), which flags a
@@ -120,3 +143,39 @@ class DynamicSupport(constraints.interval):
     @property
     def upper_bound(self):
         return jnp.asarray(jnp.inf)
+
+
+# ---------------------------------------------------------------------------------------
+# The AutoGuide that is building a subspace bijection.
+#
+# Relies on: NumPyro's AutoGuides (numpyro 0.22) build the bijection of every latent site's
+# support inside ``AutoGuide._setup_prototype(self, *args, **kwargs)`` (through
+# ``initialize_model``, which calls ``biject_to`` on each support), once, from a trace at
+# the initial values, and keep that bijection for the whole fit (``AutoGuideList`` sets
+# itself up the same way, on the whole model). NumPyro does not tell a support who asks
+# for its bijection, so ``biject_to``'s rule for the subspace recognises that frame on the
+# call stack: a method of that name whose ``self`` is an ``AutoGuide``. If NumPyro renames
+# it or builds the bijections elsewhere, the check of a moving subspace stops firing (an
+# AutoGuide's ELBO is then silently ``inf`` again); the compat test runs each AutoGuide
+# kind on a moving subspace and fails, saying to update this, when the error is gone.
+# ---------------------------------------------------------------------------------------
+
+AUTOGUIDE_SETUP = "_setup_prototype"
+
+
+def autoguide_being_set_up(depth: int = 64):
+    """``(guide, args, kwargs)`` of the NumPyro ``AutoGuide`` whose setup (see above) is on
+    the call stack within ``depth`` frames, or ``None``: ``args`` and ``kwargs`` are the
+    model's arguments it was called with."""
+    from numpyro.infer.autoguide import AutoGuide
+
+    frame = inspect.currentframe()
+    for _ in range(depth):
+        frame = frame.f_back if frame is not None else None
+        if frame is None:
+            return None
+        if frame.f_code.co_name == AUTOGUIDE_SETUP:
+            local = frame.f_locals
+            if isinstance(local.get("self"), AutoGuide):
+                return local["self"], tuple(local.get("args", ())), dict(local.get("kwargs", {}))
+    return None

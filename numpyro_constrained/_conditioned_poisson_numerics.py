@@ -14,6 +14,7 @@ from constrained_ppl.conditioned_poisson import (
     KL_SERIES_MAX_D,
     UNDERFLOW_MARGIN,
     finite_log_zero,
+    mode_candidate_slots,
 )
 from constrained_ppl.stirling import (
     BD0_SERIES_MAX_V,
@@ -252,3 +253,36 @@ def _relative_entropy(rate_p, rate_q):
     near = q_prob * (d_small * d_small * series)
     far = jnp.exp(log_p) * (jnp.where(small, 1.0, d) - 1.0) + q_prob
     return jnp.sum(jnp.maximum(jnp.where(small, near, far), 0.0), -1)
+
+
+def _mode_counts(log_p, k, k_bound: int):
+    """A most likely composition of ``k`` (``0 <= k <= k_bound``, shape ``batch``) for
+    ``Multinomial(k, p)``, as counts of ``log_p``'s dtype (shape ``batch + (n,)``); no loop,
+    so its cost does not grow with the units to hand out. The algorithm of Pyro's
+    ``_mode_counts`` (which says why it is exact): the lower bound
+    ``floor(k p (1 - (n + 8) eps))``, then the ``k - sum L`` candidate units of largest gain
+    ``log p_i - log(z + 1)``, chosen by one stable sort, ties to the lower index."""
+    n = log_p.shape[-1]
+    eps = float(jnp.finfo(log_p.dtype).eps)
+    k = k.astype(log_p.dtype)
+    p = jnp.exp(log_p)
+    lower = jnp.clip(jnp.floor(k[..., None] * p * (1 - (n + 8) * eps)), 0, k[..., None])
+    remaining = jnp.maximum(k - lower.sum(-1), 0)
+    spread = n + 2 * (n + 8) * eps * k[..., None]
+    width = (jnp.floor(p * spread * (1 + 2.0**-20)) + 1).astype(jnp.int32)
+    slots = mode_candidate_slots(n, k_bound, eps)
+    ends = jnp.cumsum(width, -1)
+    slot = jnp.arange(slots, dtype=jnp.int32)
+    search = jnp.vectorize(lambda e: jnp.searchsorted(e, slot, side="right"), signature="(n)->(m)")
+    owner = search(ends)
+    valid = owner < n
+    owner = jnp.minimum(owner, n - 1)
+    # The count before the unit: the owner's lower bound plus the unit's place in its run.
+    place = slot - jnp.take_along_axis(ends - width, owner, -1)
+    before = jnp.take_along_axis(lower, owner, -1) + place.astype(log_p.dtype)
+    key = jnp.where(valid, jnp.log1p(before) - jnp.take_along_axis(log_p, owner, -1), jnp.inf)
+    order = jnp.argsort(key, axis=-1, stable=True)
+    kept = (slot < remaining[..., None]).astype(log_p.dtype)
+    chosen = jnp.take_along_axis(owner, order, -1)
+    add = jnp.vectorize(lambda low, at, w: low.at[at].add(w), signature="(n),(m),(m)->(n)")
+    return add(lower, chosen, kept)

@@ -1,18 +1,29 @@
 """The support of :class:`~numpyro_constrained.LinearConstrainedNormal`, the affine subspace
 ``{z : A z = k}``, and the isometric bijection onto it from ``R^(n - a)``, registered with
-``biject_to`` so that AutoGuides and NUTS can use the distribution as a latent site.
+``biject_to`` so that AutoGuides and NUTS can use the distribution as a latent site, and
+the check that refuses an AutoGuide a subspace that moves (:func:`moving_subspaces`).
 
 The math: ``docs/distributions/linear_constrained_normal.md``.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import jax
 import jax.numpy as jnp
-from numpyro.distributions import constraints
+import numpy as np
+from numpyro import handlers
+from numpyro.distributions import (
+    ExpandedDistribution,
+    Independent,
+    MaskedDistribution,
+    constraints,
+)
 from numpyro.distributions.transforms import Transform, biject_to
 
-from numpyro_constrained._compat import DynamicSupport
+from constrained_ppl.moving_support import refuse_once_per_guide
+from numpyro_constrained._compat import DynamicSupport, autoguide_being_set_up
 from numpyro_constrained.linear_constraint import LinearConstraint, _combine_rows, _rows_times
 
 
@@ -147,4 +158,102 @@ class AffineSubspaceTransform(Transform):
 
 @biject_to.register(AffineSubspace)
 def _transform_to_affine_subspace(constraint: AffineSubspace) -> AffineSubspaceTransform:
+    refuse_a_moving_subspace_to_an_autoguide()
     return AffineSubspaceTransform(constraint.constraint, constraint.k)
+
+
+def _subspace_of(fn) -> AffineSubspace | None:
+    """The subspace support of a site's distribution (through ``to_event``, ``mask`` and
+    ``expand``), or ``None``."""
+    while isinstance(fn, (Independent, MaskedDistribution, ExpandedDistribution)):
+        fn = fn.base_dist
+    support = getattr(fn, "support", None)  # a plate's subsample site has none
+    return support if isinstance(support, AffineSubspace) else None
+
+
+def moving_subspaces(model, args=(), kwargs=None) -> dict[str, list[str]]:
+    """For each latent site of ``model`` whose support is a subspace ``{z : A z = k}`` and
+    whose ``A`` or ``k`` depend on the values of other latent sites or parameters: the
+    names of those sites and parameters (an empty dict when no subspace moves).
+
+    Found by differentiating ``A`` and ``k`` with respect to every floating-point latent
+    value and parameter of one trace of the model (``jax.linearize``, a random direction):
+    a dependence whose derivative is zero there (``k = 0 * t``) is not one that moves.
+    Discrete latent values are held fixed."""
+    kwargs = {} if kwargs is None else kwargs
+    seeded = handlers.seed(model, rng_seed=0)
+
+    def run(values):
+        # Blocked: this runs inside the caller's own inference, whose handlers must not see it.
+        with handlers.block():
+            return handlers.trace(handlers.substitute(seeded, data=values)).get_trace(
+                *args, **kwargs
+            )
+
+    first = run({})
+    names = [
+        name
+        for name, site in first.items()
+        if site["type"] == "sample"
+        and not site["is_observed"]
+        and _subspace_of(site["fn"]) is not None
+    ]
+    if not names:
+        return {}
+    inputs = {
+        name: site["value"]
+        for name, site in first.items()
+        if (site["type"] == "param" or (site["type"] == "sample" and not site["is_observed"]))
+        and jnp.issubdtype(jnp.result_type(site["value"]), jnp.inexact)
+    }
+
+    def subspaces(values):
+        trace = run(values)
+        return {
+            name: (subspace.A, subspace.k)
+            for name in names
+            for subspace in [_subspace_of(trace[name]["fn"])]
+        }
+
+    _, tangents = jax.linearize(subspaces, inputs)
+    rng = np.random.default_rng(0)
+    directions = {
+        name: jnp.asarray(rng.standard_normal(jnp.shape(value)), jnp.result_type(value))
+        for name, value in inputs.items()
+    }
+    zeros = {name: jnp.zeros_like(value) for name, value in inputs.items()}
+
+    def moved_by(direction) -> list[str]:
+        return [
+            name
+            for name, moves in tangents(direction).items()
+            if any(bool(jnp.any(move != 0)) for move in moves)
+        ]
+
+    moving = {}
+    if moved_by(directions):  # then which input moves which site, one input at a time
+        for source, direction in directions.items():
+            for name in moved_by({**zeros, source: direction}):
+                if name != source:
+                    moving.setdefault(name, []).append(source)
+    return moving
+
+
+# The AutoGuides already checked (their setup asks for a bijection several times).
+_CHECKED_GUIDES = weakref.WeakSet()
+
+
+def refuse_a_moving_subspace_to_an_autoguide() -> None:
+    """A ``ValueError`` naming :class:`~numpyro_constrained.LinearConstrainedNormalReparam`
+    when a NumPyro AutoGuide is being set up on a model with a subspace that moves
+    (:func:`moving_subspaces`). An AutoGuide builds each site's bijection once, from the
+    initial trace, and keeps it, so its values would stay on the initial subspace, off the
+    model's, and every ELBO would be ``inf``; NUTS and the other callers of ``biject_to``
+    rebuild it from the current support and are not refused."""
+    found = autoguide_being_set_up()
+    if found is None:
+        return
+    guide, args, kwargs = found
+    refuse_once_per_guide(
+        guide, _CHECKED_GUIDES, lambda: moving_subspaces(guide.model, args, kwargs), "NumPyro"
+    )

@@ -55,6 +55,7 @@ from numpyro_constrained._conditioned_poisson_numerics import (
     _log_prob_and_support,
     _log_probs_only,
     _log_sqrt_2pi_z_plus_stirling_error,  # noqa: F401
+    _mode_counts,
     _normalized_log_probs,
     _probs_only,
     _relative_entropy,
@@ -333,30 +334,18 @@ class ConditionedPoisson(Distribution):
 
     @property
     def mode(self):
-        """The most likely composition (a multinomial mode), exact: every mode is at least
-        ``floor(k p)`` entrywise (the log-pmf is separable and concave in the counts), so
-        starting there and handing the remaining units one at a time
-        to the count with the largest gain ``log p_i - log(z_i + 1)`` is exact. Ties go to
-        the lower index, so among equally likely compositions the result is deterministic.
-        Works under ``jit``; NaN where ``k`` is out of range."""
+        """The most likely composition (a multinomial mode), exact, by the algorithm of
+        Pyro's ``mode``: every mode is at least ``floor(k p)`` entrywise (the log-pmf is
+        separable and concave in the counts), and the remaining units go to the candidates
+        of largest gain ``log p_i - log(z_i + 1)``, chosen by one sort, with no loop. Ties
+        go to the lower index, so among equally likely compositions the result is
+        deterministic. Works under ``jit``; NaN where ``k`` is out of range."""
         log_p = self._log_p()
-        n = self.event_shape[0]
         k = jnp.maximum(jnp.asarray(self.k, log_p.dtype), 0)
-        p = jnp.exp(log_p)
-        # A hair below k p, so that rounding never starts above a mode.
-        shrink = 1 - 8 * jnp.finfo(p.dtype).eps
-        start = jnp.clip(jnp.floor(k[..., None] * p * shrink), 0, k[..., None])
-        remaining = k - start.sum(-1)
-        index = jnp.arange(n)
-
-        def step(carry):
-            counts, remaining = carry
-            best = jnp.argmax(log_p - jnp.log1p(counts), axis=-1)  # ties: the lower index
-            add = (remaining > 0).astype(counts.dtype)
-            counts = counts + add[..., None] * (index == best[..., None]).astype(counts.dtype)
-            return counts, remaining - add
-
-        counts, _ = lax.while_loop(lambda c: jnp.any(c[1] > 0), step, (start, remaining))
+        k_bound = self._table_bound()
+        if k_bound is None:  # a traced k without k_max: the dtype's exact integers bound it
+            k_bound = largest_exact_integer(str(self.rate.dtype))
+        counts = _mode_counts(log_p, jnp.broadcast_to(k, self.batch_shape), k_bound)
         return self._mask_out_of_range_k(counts.astype(self.rate.dtype), jnp.nan, event=True)
 
     @property

@@ -8,7 +8,8 @@ pieces in the modules it imports, each importable from here as before:
   ``log_prob``, Matheron's sampler, second moments);
 - ``_lcn_support.py``: the support :class:`AffineSubspace` and the isometric bijection
   :class:`AffineSubspaceTransform` onto it (registered with ``biject_to``, so that AutoGuides
-  and NUTS can use the distribution as a latent site);
+  and NUTS can use the distribution as a latent site), and :func:`moving_subspaces`, the
+  check that refuses an AutoGuide a subspace that moves;
 - ``_lcn_rules.py``: its ``vmap_over``, ``promote_batch_shape`` and KL rules, registered at
   the end of this module.
 """
@@ -51,6 +52,7 @@ from numpyro_constrained._lcn_support import (
     AffineSubspaceTransform,
     _as_constraint,  # noqa: F401 (importable from here, as before the split)
     _min_norm_point_and_basis,  # noqa: F401 (numpyro_constrained.reparam imports it from here)
+    moving_subspaces,
 )
 from numpyro_constrained._repr import parameters_repr
 from numpyro_constrained.linear_constraint import LinearConstraint
@@ -64,6 +66,7 @@ __all__ = [
     "GRAD_ESTIMATORS",
     "AffineSubspace",
     "AffineSubspaceTransform",
+    "moving_subspaces",
     "LinearConstrainedNormal",
     "LinearConstraint",
 ]

@@ -8,13 +8,13 @@ The math: ``docs/distributions/poisson_binomial.md``; the method is that of
   per count, the kernels' exact ``log_constraint_prob_value``, with the gradient of
   ``log e_k - sum softplus`` (the exactly-k marginals minus the probabilities);
 * every count (``log_pmf``): from concrete logits, tilted windows (about ``0.4 sqrt(n)``
-  passes, each admitting the root entries at least ``_window(dtype)`` times the largest);
-  from traced logits (under ``jit``, ``grad``, ``vmap``), one pass per count (moderate n).
+  passes, each admitting the root entries at least ``_WINDOW`` times the largest), with
+  tables in float64 whatever the x64 mode (see ``_log_pmf_by_windows``); from traced logits
+  (under ``jit``, ``grad``, ``vmap``), one pass per count (moderate n), in the kernels' wide
+  dtype.
 
-Tables are in the kernels' wide dtype: float64 when JAX's x64 mode is on, float32 otherwise
-(then the wide levels' FFT rounding is about 1e-7 of a table's largest entry, and
-``log_pmf`` admits only entries within a factor 10 of it). Each pass's table becomes
-log-probabilities on the host in float64 (``kernels.count_log_probs``), whatever the mode.
+Each pass's table becomes log-probabilities on the host in float64
+(``kernels.count_log_probs``).
 """
 
 import math
@@ -37,6 +37,7 @@ from numpyro_constrained._bernoulli_arguments import (
     forced_counts,
     logits_and_probs,
 )
+from numpyro_constrained._compat import enable_x64
 from numpyro_constrained._ekb_terms import _infinite_slope
 from numpyro_constrained._repr import parameters_repr
 from numpyro_constrained.validation import (
@@ -48,17 +49,11 @@ from numpyro_constrained.validation import (
 __all__ = ["PoissonBinomial"]
 
 
-def _window(dtype) -> float:
-    """The smallest admitted ratio of a root entry to its table's largest entry (see the
-    torch module): FFT rounding is about eps times the largest entry, in the wide dtype."""
-    return 1e-3 if dtype == jnp.float64 else 0.1
-
-
-def _tilt_span(dtype) -> float:
-    """Entries with ``|c (j - t)|`` above this are left to other passes (see the torch
-    module): their error from the tilt rounded into the logits, about eps |c (j - t)|, stays
-    near 1e-13 in float64 and 2e-6 in float32 (the FFT error of an admitted entry)."""
-    return 1024.0 if dtype == jnp.float64 else 16.0
+# The torch module's constants (see there): with the tables in float64 (below), a root
+# entry at least _WINDOW times its table's largest entry keeps its relative precision to
+# about eps / _WINDOW, and entries with |c (j - t)| above _TILT_SPAN are left to other passes.
+_WINDOW = 1e-3
+_TILT_SPAN = 1024.0
 
 
 def _flipped(theta):
@@ -71,8 +66,6 @@ def _half_pmf(theta: jax.Array, half: np.ndarray) -> np.ndarray:
     ``theta`` (rows, n), by tilted windows from the bottom up (the torch module's loop; every
     pass takes all rows, so that shapes, and compilations, repeat)."""
     rows, n = theta.shape
-    wide = kernels.wide_dtype(theta.dtype)
-    window, tilt_span = _window(wide), _tilt_span(wide)
     out = np.full((rows, n + 1), -np.inf)
     best = np.full((rows, n + 1), -1.0)
     needed = np.arange(n + 1)[None, :] <= half[:, None]
@@ -88,8 +81,8 @@ def _half_pmf(theta: jax.Array, half: np.ndarray) -> np.ndarray:
         width = min(log_p.shape[-1], n + 1)
         log_p, ratio = log_p[:, :width], ratio[:, :width]
         j = np.arange(width)
-        span = np.abs(c.astype(np.float64)[:, None] * (j[None, :] - t[:, None])) <= tilt_span
-        accept = (((ratio >= window) & span) | (j[None, :] == t[:, None])) & active[:, None]
+        span = np.abs(c.astype(np.float64)[:, None] * (j[None, :] - t[:, None])) <= _TILT_SPAN
+        accept = (((ratio >= _WINDOW) & span) | (j[None, :] == t[:, None])) & active[:, None]
         better = accept & (ratio > best[:, :width]) & needed[:, :width]
         out[:, :width] = np.where(better, log_p, out[:, :width])
         best[:, :width] = np.where(better, ratio, best[:, :width])
@@ -112,15 +105,21 @@ def _log_pmf_by_windows(theta: jax.Array) -> jax.Array:
         return jnp.zeros((rows, 1), kernels.wide_dtype(theta.dtype))
     m = np.asarray((theta > -jnp.inf).sum(-1), np.int64)
     low_half = m // 2
-    both = jnp.concatenate([theta, _flipped(theta)])
-    halves = _half_pmf(both, np.concatenate([low_half, m - low_half - 1]))
+    half = np.concatenate([low_half, m - low_half - 1])
+    # The tables in float64 whatever the logits' dtype and the x64 mode (this host loop is
+    # never traced, so the mode can be switched for it): each leaf's weight exp(theta_i + c)
+    # is rounded to the tables' dtype, and the roundings add up in log e_j to about j eps
+    # when the logits are tied (the same rounding n times), whatever the FFTs' dtype: in
+    # float32, far above float32's rounding of log P from n = 1000 (benchmarks/README.md).
+    with enable_x64(True):
+        theta = jnp.asarray(np.asarray(theta, np.float64))
+        halves = _half_pmf(jnp.concatenate([theta, _flipped(theta)]), half)
     low, high = np.split(halves, 2)
     j = np.arange(n + 1)
     zeros = np.clip(m[:, None] - j, 0, n)
     from_high = np.take_along_axis(high, zeros, -1)
     use_high = (j[None, :] > low_half[:, None]) & (j[None, :] <= m[:, None])
-    out = np.where(use_high, from_high, low)
-    return jnp.asarray(out, dtype=kernels.wide_dtype(theta.dtype))
+    return jnp.asarray(np.where(use_high, from_high, low))
 
 
 def _log_pmf_by_counts(theta: jax.Array, k: jax.Array) -> jax.Array:

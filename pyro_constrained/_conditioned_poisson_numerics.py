@@ -15,6 +15,7 @@ from constrained_ppl.conditioned_poisson import (
     KL_SERIES_MAX_D,
     UNDERFLOW_MARGIN,
     finite_log_zero,
+    mode_candidate_slots,
 )
 from constrained_ppl.stirling import (
     BD0_SERIES_MAX_V,
@@ -205,19 +206,32 @@ def _relative_entropy(rate_p: torch.Tensor, rate_q: torch.Tensor) -> torch.Tenso
 class _LogFactorialOfCounts(torch.autograd.Function):
     """``log z! = lgamma(z + 1)`` for integer ``0 <= z <= len(table) - 1`` by table lookup,
     with the exact derivative ``digamma(z + 1)``: a lookup alone (``table[z.long()]``)
-    would silently cut the gradient with respect to ``z``."""
+    would silently cut the gradient with respect to ``z``. Written for ``torch.func`` as
+    well (a separate ``setup_context``, a generated vmap rule and a ``jvp``); the
+    derivative is built from differentiable operations, so it differentiates again."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, counts: torch.Tensor, log_factorials: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(counts)
+    def forward(counts: torch.Tensor, log_factorials: torch.Tensor) -> torch.Tensor:
         # The caller guarantees 0 <= z <= len(table) - 1 (off-support rows are zeroed).
         return log_factorials[counts.long()]
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    def setup_context(ctx, inputs, output):
+        counts, _ = inputs
+        ctx.save_for_backward(counts)
+        ctx.save_for_forward(counts)
+
+    @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         (counts,) = ctx.saved_tensors
         return grad_output * torch.digamma(counts + 1), None
+
+    @staticmethod
+    def jvp(ctx, counts_dot: torch.Tensor, _table_dot) -> torch.Tensor:
+        (counts,) = ctx.saved_tensors
+        return counts_dot * torch.digamma(counts + 1)
 
 
 def _log_factorial_of_counts(counts: torch.Tensor, k_max: int) -> torch.Tensor:
@@ -230,3 +244,47 @@ def _log_factorial_of_counts(counts: torch.Tensor, k_max: int) -> torch.Tensor:
         return torch.lgamma(counts + 1)
     table = torch.lgamma(torch.arange(k_max + 1, dtype=counts.dtype, device=counts.device) + 1)
     return _LogFactorialOfCounts.apply(counts, table)
+
+
+def _mode_counts(log_p: torch.Tensor, k: torch.Tensor, k_bound: int) -> torch.Tensor:
+    """A most likely composition of ``k`` (long, ``0 <= k <= k_bound``, shape ``batch``)
+    for ``Multinomial(k, p)``, ``log_p`` in float64 (shape ``batch + (n,)``), as float64
+    counts; with no loop and no decision on values (``torch.jit.trace``,
+    ``torch.func.vmap``).
+
+    The log-pmf is separable and concave in the counts, so a mode is a lower bound ``L`` on
+    it plus the ``r = k - sum L`` further units of largest gain ``log p_i - log(z + 1)``,
+    each coordinate's gains decreasing in ``z``: the units that handing them out one at a
+    time to the largest gain would give, taken at once. ``L = floor(k p (1 - (n + 8) eps))``
+    is at most the lower quota ``floor(k p / sum p)`` of every mode (the shrink covers the
+    rounding of ``p`` and of the product, so ``sum L <= k``). A mode is at most
+    ``(k + n) p_i / sum p`` entrywise (moving one unit cannot raise the pmf), so
+    coordinate i has ``floor(p_i (n + 2 (n + 8) eps k) (1 + 2**-20)) + 1`` candidate units,
+    a static number (from ``n`` and ``k_bound``) in all. The candidates are sorted stably
+    by ``log(z + 1) - log p_i`` (the negated gain, as a greedy compares it) and the first
+    ``r`` kept: candidates of equal gain stay in index order, so ties go to the lower
+    index."""
+    n = log_p.shape[-1]
+    eps = torch.finfo(torch.float64).eps
+    k = k.to(torch.float64)
+    p = log_p.exp()
+    lower = torch.floor(k[..., None] * p * (1 - (n + 8) * eps)).clamp(min=0)
+    lower = torch.minimum(lower, k[..., None])
+    remaining = (k - lower.sum(-1)).clamp(min=0)
+    spread = n + 2 * (n + 8) * eps * k[..., None]
+    width = (torch.floor(p * spread * (1 + 2.0**-20)) + 1).long()
+    with static_under_trace():  # sizes and a static bound
+        slots = mode_candidate_slots(n, k_bound, eps)
+    ends = width.cumsum(-1)
+    slot = torch.arange(slots, device=log_p.device).expand(log_p.shape[:-1] + (slots,))
+    # contiguous: searchsorted would copy it, with a warning.
+    owner = torch.searchsorted(ends, slot.contiguous(), right=True)
+    valid = owner < n
+    owner = owner.clamp(max=n - 1)
+    # The count before the unit: the owner's lower bound plus the unit's place in its run.
+    place = slot - (ends - width).gather(-1, owner)
+    before = lower.gather(-1, owner) + place.to(torch.float64)
+    key = torch.where(valid, torch.log1p(before) - log_p.gather(-1, owner), math.inf)
+    order = torch.sort(key, dim=-1, stable=True).indices
+    kept = (torch.arange(slots, device=log_p.device) < remaining[..., None]).to(torch.float64)
+    return lower.scatter_add(-1, owner.gather(-1, order), kept)

@@ -10,6 +10,20 @@ from torch.distributions import constraints
 
 from constrained_ppl.arguments import check_count
 
+# The parameters' checks and the table size are Python numbers read from the logits and k,
+# which torch.func.vmap over them cannot provide (docs/numerics.md, "torch.func").
+VMAP_OVER_PARAMETERS = (
+    "ExactlyKBernoulli checks k against the infinite logits and sizes its tables by the "
+    "largest k among the free variables, Python numbers read from k and the logits, which "
+    "torch.func.vmap over the logits or k cannot provide: give the distribution the batch "
+    "of logits instead (it is batched natively); vmap over log_prob's values works"
+)
+VMAP_OVER_VALUES = (
+    "ExactlyKBernoulli.log_prob checks its value against the infinite logits with a Python "
+    "bool, which torch.func.vmap over the values cannot provide: construct the distribution "
+    "with validate_args=False to vmap log_prob"
+)
+
 
 class _ExtendedReal(constraints.Constraint):
     """The extended real line [-inf, +inf]: anything but NaN (infinite logits force a

@@ -1,7 +1,8 @@
 """The support of :class:`~pyro_constrained.LinearConstrainedNormal`, the affine subspace
 ``{z : A z = k}``, and the isometric bijection from ``R^(n - a)`` onto it, registered with
 ``biject_to`` and ``transform_to`` so that AutoGuides and HMC/NUTS can use the distribution as
-a latent site, and the check that names the remedy when such a site's support moves
+a latent site, and the checks that name the remedy when such a site's support moves: at an
+AutoGuide's setup (:func:`moving_subspaces`) and in ``log_prob``
 (:data:`MOVED_SUPPORT_HINT`).
 
 The math: ``docs/distributions/linear_constrained_normal.md``.
@@ -9,13 +10,19 @@ The math: ``docs/distributions/linear_constrained_normal.md``.
 
 from __future__ import annotations
 
+import weakref
+
+import pyro.distributions as dist
 import torch
+from pyro import poutine
 from torch.distributions import biject_to, constraints, transform_to
 from torch.distributions.transforms import Transform
 
+from constrained_ppl.moving_support import refuse_once_per_guide
+from pyro_constrained._compat import autoguide_being_set_up
 from pyro_constrained.linear_constraint import LinearConstraint, _combine_rows, _rows_times
 
-__all__ = ["AffineSubspace", "AffineSubspaceTransform"]
+__all__ = ["AffineSubspace", "AffineSubspaceTransform", "moving_subspaces"]
 
 
 def _as_constraint(A, k: torch.Tensor) -> LinearConstraint:
@@ -125,7 +132,103 @@ class AffineSubspaceTransform(Transform):
 @biject_to.register(AffineSubspace)
 @transform_to.register(AffineSubspace)
 def _transform_to_affine_subspace(constraint: AffineSubspace) -> AffineSubspaceTransform:
+    refuse_a_moving_subspace_to_an_autoguide()
     return AffineSubspaceTransform(constraint.constraint, constraint.k)
+
+
+def _subspace_of(fn) -> AffineSubspace | None:
+    """The subspace support of a site's distribution (through ``to_event``, ``mask`` and
+    ``expand``), or ``None``."""
+    while isinstance(fn, (dist.Independent, dist.MaskedDistribution, dist.ExpandedDistribution)):
+        fn = fn.base_dist
+    support = getattr(fn, "support", None)  # a plate's subsample site has none
+    return support if isinstance(support, AffineSubspace) else None
+
+
+def moving_subspaces(model, args=(), kwargs=None) -> dict[str, list[str]]:
+    """For each latent site of ``model`` whose support is a subspace ``{z : A z = k}`` and
+    whose ``A`` or ``k`` depend on the values of other latent sites or parameters: the
+    names of those sites and parameters (an empty dict when no subspace moves).
+
+    Found by differentiating ``A`` and ``k`` (a random direction) with respect to every
+    floating-point latent value and parameter of one run of the model: a dependence whose
+    derivative is zero there (``k = 0 * t``) is not one that moves. Discrete latent values
+    are held fixed."""
+    kwargs = {} if kwargs is None else kwargs
+    # Forked: the caller's draws stay as they were (CUDA's generators only where CUDA is in
+    # use: forking them would start it). Blocked: this runs inside the caller's own
+    # inference, whose handlers must not see it.
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(cuda), torch.enable_grad(), poutine.block():
+        first = poutine.trace(model).get_trace(*args, **kwargs)
+        names = [
+            name
+            for name, site in first.nodes.items()
+            if site["type"] == "sample"
+            and not site["is_observed"]
+            and _subspace_of(site["fn"]) is not None
+        ]
+        if not names:
+            return {}
+        values = {
+            name: site["value"].detach().requires_grad_()
+            for name, site in first.nodes.items()
+            if site["type"] == "sample"
+            and not site["is_observed"]
+            and torch.is_tensor(site["value"])
+            and site["value"].is_floating_point()
+        }
+        trace = poutine.trace(poutine.condition(model, data=values)).get_trace(*args, **kwargs)
+        sources = dict(values)
+        sources.update(
+            (name, site["value"])
+            for name, site in trace.nodes.items()
+            if site["type"] == "param" and site["value"].requires_grad
+        )
+        moving = {}
+        for name in names:
+            subspace = _subspace_of(trace.nodes[name]["fn"])
+            outputs = [x for x in (subspace.A, subspace.k) if x.requires_grad]
+            if not outputs:
+                continue
+            gradients = torch.autograd.grad(
+                outputs,
+                list(sources.values()),
+                grad_outputs=[torch.randn_like(x) for x in outputs],
+                allow_unused=True,
+            )
+            by = [
+                source
+                for source, gradient in zip(sources, gradients, strict=True)
+                if source != name and gradient is not None and bool((gradient != 0).any())
+            ]
+            if by:
+                moving[name] = by
+    return moving
+
+
+# The AutoGuides already checked (their setup asks for a bijection more than once).
+_CHECKED_GUIDES = weakref.WeakSet()
+
+
+def refuse_a_moving_subspace_to_an_autoguide() -> None:
+    """A ``ValueError`` naming :class:`~pyro_constrained.LinearConstrainedNormalReparam`
+    when a Pyro AutoGuide is being set up on a model with a subspace that moves
+    (:func:`moving_subspaces`). An AutoGuide builds each site's bijection once, from the
+    prototype trace, and keeps it, so its values would stay on the prototype's subspace,
+    off the model's (which ``log_prob`` refuses too, but a ``JitTrace_ELBO`` traced while
+    the two still agree, as AutoDelta's first step, would score them ``-inf`` silently)."""
+    found = autoguide_being_set_up()
+    if found is None:
+        return
+    guide, args, kwargs = found
+    # Its first request comes from inside the prototype trace (the initialisation strategy
+    # asks for the bijection), where the model cannot be run again; later ones follow it.
+    if guide.prototype_trace is None:
+        return
+    refuse_once_per_guide(
+        guide, _CHECKED_GUIDES, lambda: moving_subspaces(guide.model, args, kwargs), "Pyro"
+    )
 
 
 # HMC/NUTS and AutoGuides build the bijection of a latent site's support once, at the

@@ -39,6 +39,7 @@ from pyro_constrained._conditioned_poisson_numerics import (
     _log_poisson,  # noqa: F401
     _log_poisson_of_total,
     _log_probs_only,
+    _mode_counts,
     _normalized_log_probs,
     _probs_only,
     _relative_entropy,
@@ -161,7 +162,14 @@ class ConditionedPoisson(TorchDistribution):
             rate = rate.to(torch.get_default_dtype())
         # Shapes and k only: static under torch.jit.trace (see _k_bound).
         with static_under_trace():
-            batch_shape = self._check_shapes_and_k(rate, k, k_max)
+            try:
+                batch_shape = self._check_shapes_and_k(rate, k, k_max)
+            except RuntimeError as error:  # torch.func.vmap cannot read a batched value
+                raise RuntimeError(
+                    "ConditionedPoisson checks k (a count within the integers of rate's dtype) "
+                    "as Python numbers, which torch.func.vmap over k cannot provide: give the "
+                    "distribution the batch of k instead (it is batched natively)"
+                ) from error
             if not isinstance(k, torch.Tensor):
                 k = torch.as_tensor(k)
             k = k.to(rate.device)
@@ -267,30 +275,14 @@ class ConditionedPoisson(TorchDistribution):
 
     @property
     def mode(self) -> torch.Tensor:
-        """The most likely composition (a multinomial mode), exact: every mode is at least
-        ``floor(k p)`` entrywise (the log-pmf is separable and concave in the counts), so
-        starting there and handing the remaining units one at a time to the count with the
-        largest gain ``log p_i - log(z_i + 1)`` is exact. Ties go to the lower index, so
-        among equally likely compositions the result is deterministic. NaN where
-        ``k < 0`` (validation off)."""
-        log_p = self._log_p()
-        k = self._k_long
-        n = self.event_shape[0]
-        p = log_p.exp()
-        # A hair below k p, so that rounding never starts above a mode.
-        start = torch.floor(k[..., None].double() * p * (1 - 8 * torch.finfo(p.dtype).eps))
-        start = start.clamp(min=0)
-        start = torch.minimum(start, k[..., None].double())
-        remaining = k.double() - start.sum(-1)
-        counts = start
-        index = torch.arange(n, device=counts.device)
-        while bool((remaining > 0).any()):
-            gain = log_p - torch.log1p(counts)
-            best = torch.argmax(gain, dim=-1)  # the first maximum: ties to the lower index
-            add = (remaining > 0).to(counts.dtype)
-            counts = counts + add[..., None] * (index == best[..., None]).to(counts.dtype)
-            remaining = remaining - add
-        counts = counts.to(self.rate.dtype)
+        """The most likely composition (a multinomial mode), exact: a lower bound on every
+        mode plus the remaining units of largest gain ``log p_i - log(z_i + 1)`` (the
+        log-pmf is separable and concave in the counts), chosen among a static number of
+        candidates by one sort (`_mode_counts`), with no loop and no decision on values, so
+        that it replays under ``torch.jit.trace`` and runs under ``torch.func.vmap`` over
+        ``rate``. Ties go to the lower index, so among equally likely compositions the
+        result is deterministic. NaN where ``k < 0`` (validation off)."""
+        counts = _mode_counts(self._log_p(), self._k_long, self._k_bound).to(self.rate.dtype)
         return torch.where(self._k_is_negative[..., None], math.nan, counts)
 
     @property
@@ -438,9 +430,17 @@ class ConditionedPoisson(TorchDistribution):
         else:
             k_long = self._k_long
             k = k_long.double()
-            log_c_factorial, correction = _expected_log_factorials(
-                log_p, log1m_p, k_long, self._k_bound, dtype
-            )
+            try:
+                log_c_factorial, correction = _expected_log_factorials(
+                    log_p, log1m_p, k_long, self._k_bound, dtype
+                )
+            except RuntimeError as error:  # torch.func.vmap cannot read a batched value
+                raise RuntimeError(
+                    "ConditionedPoisson.entropy sizes its windows of outcomes by Python "
+                    "numbers read from the rates, which torch.func.vmap over them cannot "
+                    "provide: give the distribution the batch of rates instead (it is "
+                    "batched natively)"
+                ) from error
             cross_entropy = k * (log_p.exp() * log_p).sum(-1)
             # Grouped so that a near-certain outcome (entropy 1e-28 beside log k! = 8.5, say)
             # keeps its relative accuracy: the log-factorials cancel exactly there.

@@ -13,7 +13,7 @@ import math
 
 import torch
 from pyro.distributions import TorchDistribution
-from torch.distributions import Distribution, constraints
+from torch.distributions import constraints
 from torch.distributions.kl import kl_divergence, register_kl
 from torch.distributions.utils import lazy_property
 
@@ -132,8 +132,18 @@ class CountConstrainedBernoulli(TorchDistribution):
         if probs is not None:
             self.probs = probs.expand(batch_shape + event_shape)
         self.low, self.high = low.expand(batch_shape), high.expand(batch_shape)
-        validate = Distribution._validate_args if validate_args is None else validate_args
-        self._check_bounds(validate)
+        # Resolved before Distribution.__init__ (whose checks give less specific messages)
+        # as it resolves it: self._validate_args is still the class-wide default.
+        validate = self._validate_args if validate_args is None else validate_args
+        try:
+            self._check_bounds(validate)
+        except RuntimeError as error:  # torch.func.vmap cannot read a batched value
+            raise RuntimeError(
+                "CountConstrainedBernoulli checks its bounds and sizes its stack of counts "
+                "by Python numbers read from the logits and bounds, which torch.func.vmap "
+                "over them (or over log_prob's values) cannot provide: give the distribution "
+                "the batch of logits instead (it is batched natively)"
+            ) from error
         super().__init__(batch_shape, event_shape, validate_args=validate_args)
 
     def _check_bounds(self, validate: bool) -> None:

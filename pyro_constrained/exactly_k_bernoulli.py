@@ -13,7 +13,7 @@ from contextlib import nullcontext
 
 import torch
 from pyro.distributions import Bernoulli, TorchDistribution
-from torch.distributions import Distribution, constraints
+from torch.distributions import constraints
 from torch.distributions.kl import register_kl
 from torch.distributions.utils import lazy_property
 
@@ -27,6 +27,8 @@ from constrained_ppl.arguments import (
 from constrained_ppl.enumeration import check_support_size, k_hot_table, single_count
 from pyro_constrained import exactly_k_kernels as kernels
 from pyro_constrained._ekb_arguments import (
+    VMAP_OVER_PARAMETERS,
+    VMAP_OVER_VALUES,
     KHot,
     _ArgConstraints,
     _as_k,
@@ -189,9 +191,14 @@ class ExactlyKBernoulli(TorchDistribution):
         self.k = k.expand(batch_shape)
         self._from_probs = probs is not None
         # Before Distribution.__init__, whose checks of arg_constraints give less specific
-        # messages.
-        validate = Distribution._validate_args if validate_args is None else validate_args
-        self._check_k(validate, self._k_is_constant)
+        # messages; validate_args resolved as it resolves it: no instance attribute is set
+        # yet, so self._validate_args reads the class-wide default that
+        # Distribution.set_default_validate_args sets.
+        validate = self._validate_args if validate_args is None else validate_args
+        try:
+            self._check_k(validate, self._k_is_constant)
+        except RuntimeError as error:  # torch.func.vmap cannot read a batched value
+            raise RuntimeError(VMAP_OVER_PARAMETERS) from error
         super().__init__(batch_shape, event_shape, validate_args=validate_args)
 
     def _check_k(self, validate: bool, k_is_constant: bool = False) -> None:
@@ -232,15 +239,7 @@ class ExactlyKBernoulli(TorchDistribution):
             self._table_size = 0 if empty else min(largest, n)
             return
         k_free = (self.k - forced_on).clamp(min=0)
-        try:
-            self._table_size = int(k_free.max().clamp(max=n)) if self.k.numel() else 0
-        except RuntimeError as error:  # torch.func.vmap cannot read a batched value
-            raise RuntimeError(
-                "ExactlyKBernoulli sizes its tables by the largest k among the free variables, "
-                "a Python int read from k and the +inf logits, which torch.func.vmap over the "
-                "logits or k cannot provide: give the distribution the batch of logits instead "
-                "(it is batched natively); vmap over log_prob's values works"
-            ) from error
+        self._table_size = int(k_free.max().clamp(max=n)) if self.k.numel() else 0
 
     @constraints.dependent_property(is_discrete=True, event_dim=1)
     def support(self) -> KHot:
@@ -432,7 +431,11 @@ class ExactlyKBernoulli(TorchDistribution):
 
     def _validate_sample(self, value: torch.Tensor) -> None:
         super()._validate_sample(value)
-        if not self._respects_infinite_logits(value).all():
+        try:
+            respected = bool(self._respects_infinite_logits(value).all())
+        except RuntimeError as error:  # a Python bool of a value batched by torch.func.vmap
+            raise RuntimeError(VMAP_OVER_VALUES) from error
+        if not respected:
             raise ValueError(
                 "ExactlyKBernoulli.log_prob: value puts a 1 where the logit is -inf (probs = 0) "
                 "or a 0 where it is +inf (probs = 1): it is outside the support"

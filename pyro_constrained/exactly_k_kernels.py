@@ -47,7 +47,7 @@ import torch
 from pyro_constrained import exactly_k_small as _small
 from pyro_constrained.exactly_k_draw import _draw
 from pyro_constrained.exactly_k_tilt import tilt
-from pyro_constrained.exactly_k_tracing import _sizes_only
+from pyro_constrained.exactly_k_tracing import _sizes_only, _static_control_flow
 from pyro_constrained.exactly_k_tree import _marginals_from, _prepare
 from pyro_constrained.exactly_k_values import (
     NormalizerParts,
@@ -87,11 +87,20 @@ def normalizer_parts(logits: torch.Tensor, k: torch.Tensor, k_max: int) -> Norma
             return NormalizerParts(zero_tilt, -_positive_part_sum(_tilted(logits, zero_tilt)))
         if _small.applies(logits, k_max):  # small n: see exactly_k_small
             return NormalizerParts(*_small.normalizer_parts(logits, k, k_max))
-        flat_k, batch_shape, c, _, root, _, log_scale = _prepare(logits, k, k_max, True)
+        flat_k, batch_shape, c, weights, root, levels, log_scale = _prepare(logits, k, k_max, True)
         root_k = root.gather(-1, flat_k.long()[:, None])[:, 0]
         log_reduced = torch.log(root_k.to(torch.float64)) + log_scale
+
+        shape = logits.shape
+
+        def saved_marginals() -> torch.Tensor:  # the downward pass over this upward pass
+            with torch.no_grad():
+                return _marginals_from(flat_k, weights, root, levels).reshape(shape)
+
         return NormalizerParts(
-            c.to(torch.float64).reshape(batch_shape), log_reduced.reshape(batch_shape)
+            c.to(torch.float64).reshape(batch_shape),
+            log_reduced.reshape(batch_shape),
+            saved_marginals,
         )
 
 
@@ -102,12 +111,13 @@ def _zeros_with_gradient(logits: torch.Tensor) -> torch.Tensor:
 
 
 class _LogNormalizer(torch.autograd.Function):
-    """log e_k(exp logits) (from precomputed parts) with the marginals as its gradient; the
-    backward pass is built from differentiable operations, so second derivatives work
-    (create_graph=True)."""
+    """log e_k(exp logits) (from precomputed parts) with the marginals as its gradient. The
+    backward pass takes them from the parts' kept upward pass (``saved_marginals``, one
+    downward pass) where it need not be differentiable; with create_graph=True it computes
+    them from differentiable operations, so second derivatives work."""
 
     @staticmethod
-    def forward(logits, k, k_max, tilt, log_reduced):
+    def forward(logits, k, k_max, tilt, log_reduced, saved_marginals):
         value = log_normalizer_value(logits, k, NormalizerParts(tilt, log_reduced))
         return value.to(logits.dtype)
 
@@ -120,12 +130,23 @@ class _LogNormalizer(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         logits, k, k_max = inputs[:3]
         ctx.save_for_backward(logits, k)
-        ctx.k_max = k_max
+        ctx.save_for_forward(logits, k)
+        ctx.k_max, ctx.saved_marginals = k_max, inputs[5]
+
+    @staticmethod
+    def jvp(ctx, logits_dot, *unused):
+        # Forward mode (torch.func.jvp, jacfwd): the marginals dotted with the tangent.
+        logits, k = ctx.saved_tensors
+        return (marginals(logits, k, ctx.k_max) * logits_dot).sum(-1)
 
     @staticmethod
     def backward(ctx, grad):
         logits, k = ctx.saved_tensors
-        return grad[..., None] * marginals(logits, k, ctx.k_max), None, None, None, None
+        if ctx.saved_marginals is not None and not torch.is_grad_enabled():
+            mu = ctx.saved_marginals()
+        else:  # create_graph (torch.func's transforms always ask for it): differentiable
+            mu = marginals(logits, k, ctx.k_max)
+        return grad[..., None] * mu, None, None, None, None, None
 
 
 def log_normalizer(
@@ -137,7 +158,9 @@ def log_normalizer(
     if parts is None:
         parts = normalizer_parts(logits, k, k_max)
     k = k.expand(logits.shape[:-1])
-    return _LogNormalizer.apply(logits, k, k_max, parts.tilt, parts.log_reduced)
+    # A traced or compiled program would replay the first call's tables: recompute there.
+    saved = None if _static_control_flow() else parts.marginals
+    return _LogNormalizer.apply(logits, k, k_max, parts.tilt, parts.log_reduced, saved)
 
 
 @_sizes_only
@@ -146,7 +169,9 @@ def marginals(logits: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tensor
     ``batch + (n,)``; differentiable again when ``logits`` requires grad."""
     if k_max == 0:
         return _zeros_with_gradient(logits)
-    if _small.applies(logits, k_max):  # small n: see exactly_k_small
+    if _small.applies(
+        logits, k_max, _small.SMALL_ENTRIES_MARGINALS
+    ):  # small n: see exactly_k_small
         return _small.marginals(logits, k, k_max)
     flat_k, batch_shape, _, weights, root, levels, _ = _prepare(logits, k, k_max)
     return _marginals_from(flat_k, weights, root, levels).reshape(logits.shape)
@@ -160,7 +185,9 @@ def marginals_and_complements(
     gradient), so that a marginal near 1 keeps the relative precision of its complement."""
     if k_max == 0:
         return _zeros_with_gradient(logits), torch.ones_like(logits).detach()
-    if _small.applies(logits, k_max):  # small n: see exactly_k_small
+    if _small.applies(
+        logits, k_max, _small.SMALL_ENTRIES_MARGINALS
+    ):  # small n: see exactly_k_small
         return _small.marginals_and_complements(logits, k, k_max)
     flat_k, batch_shape, _, weights, root, levels, _ = _prepare(logits, k, k_max)
     mu, complement = _marginals_from(flat_k, weights, root, levels, with_complements=True)
@@ -202,7 +229,9 @@ def sample_and_marginals(
     logits: torch.Tensor, k: torch.Tensor, k_max: int, sample_shape: tuple[int, ...] = ()
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sample(...), marginals(...)) from one upward pass (for ``rsample``)."""
-    if _small.applies(logits, k_max):  # small n: see exactly_k_small
+    if _small.applies(
+        logits, k_max, _small.SMALL_ENTRIES_MARGINALS
+    ):  # small n: see exactly_k_small
         return _small.sample_and_marginals(logits, k, k_max, sample_shape)
     return _sample_and_maybe_marginals(logits, k, k_max, sample_shape, True)
 

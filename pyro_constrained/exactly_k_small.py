@@ -35,25 +35,32 @@ Python branches read only sizes (n, k_max, the batch size), never values, so
 ``torch.jit.trace`` replays the same computation for any later input.
 """
 
+import math
+
 import torch
 import torch.nn.functional as F
 
-# The largest n that takes this path, and the most table entries (batch * n * (k_max + 1)):
-# measured against the general kernels (sample_and_marginals, float32, one thread), the
-# small path is 1.3x to 2x faster up to about 2^15 entries and slower above (its exp and log
-# per entry, and its (width x width) outside terms, cost more than the general kernels'
-# linear-space sums once the call's fixed costs are amortised).
+from pyro_constrained.exactly_k_tracing import _static_control_flow
+
+# The largest n that takes this path, and the most table entries (batch * n * (k_max + 1)),
+# set from paired measurements against the general kernels (float32, one thread;
+# benchmarks/README.md, "Small sites"): above them the small path's exp and log per entry and
+# its (width x width) outside terms cost more than the general kernels' linear-space sums.
+# The marginals (an upward and a downward pass, a tangent pass for their derivative) stay
+# faster up to larger tables than the log normaliser and plain sampling do.
 SMALL_N = 256
 SMALL_ENTRIES = 1 << 15
+SMALL_ENTRIES_MARGINALS = 1 << 16
 
 _INF = float("inf")
 
 
-def applies(logits: torch.Tensor, k_max: int) -> bool:
-    """Whether the small path is taken (sizes only; k_max = 0 is the callers' own case)."""
+def applies(logits: torch.Tensor, k_max: int, entries: int = SMALL_ENTRIES) -> bool:
+    """Whether the small path is taken (sizes only; k_max = 0 is the callers' own case):
+    ``entries`` is the most table entries, ``SMALL_ENTRIES_MARGINALS`` for the marginals."""
     n = int(logits.shape[-1])
     batch = logits.numel() // max(n, 1)
-    return k_max > 0 and n <= SMALL_N and batch * n * (k_max + 1) <= SMALL_ENTRIES
+    return k_max > 0 and n <= SMALL_N and batch * n * (k_max + 1) <= entries
 
 
 def tilt(logits: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tensor:
@@ -61,15 +68,16 @@ def tilt(logits: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tensor:
     gradient), x_(j) the j-th largest logit; the one that exists for k = 0 or k = the number
     of finite logits, and 0 where there is none."""
     with torch.no_grad():
-        n = int(logits.shape[-1])
-        ordered = logits.detach().topk(min(k_max + 1, n), -1).values
-        k = k.long()[:, None]
-        upper = ordered.gather(-1, (k - 1).clamp(min=0))
-        lower = ordered.gather(-1, k.clamp(max=int(ordered.shape[-1]) - 1))
-        upper = torch.where(k >= 1, upper, lower)
-        lower = torch.where((k < n) & (lower > -_INF), lower, upper)
-        c = -(0.5 * upper + 0.5 * lower)
-        return torch.where(torch.isfinite(c), c, 0.0)
+        ordered = logits.detach().topk(min(k_max + 1, int(logits.shape[-1])), -1).values
+        # The first and last entries repeated at either end: (x_(k), x_(k+1)) is then the
+        # pair of columns k, k + 1 for every k from 0 (x_(1) twice) to n (x_(n) twice).
+        ordered = torch.cat([ordered[:, :1], ordered, ordered[:, -1:]], -1)
+        index = k.long()[:, None] + _window_index(1, 2, 1, 0, ordered.device)
+        upper, lower = ordered.gather(-1, index).unbind(-1)
+        lower = torch.where(lower > -_INF, lower, upper)
+        # -(upper / 2 + lower / 2): halves first, so that the sum cannot overflow.
+        c = torch.sub(upper * -0.5, lower, alpha=0.5)
+        return torch.nan_to_num(c, nan=0.0, posinf=0.0, neginf=0.0)[:, None]
 
 
 def _leaves(x: torch.Tensor) -> torch.Tensor:
@@ -91,12 +99,35 @@ def _pad_width(table: torch.Tensor, before: int, after: int, value=-_INF) -> tor
     return F.pad(table, (0, 0, 0, 0, before, after), value=value)
 
 
+# Index tensors of the windows, by (rows, columns, sign, offset, device): each is a few
+# operator calls to build, and a call at n = 50 needs about 20 of them, every one of which
+# depends on sizes only.
+_INDEX_CACHE: dict = {}
+_INDEX_CACHE_SIZE = 512
+
+
+def _window_index(rows: int, columns: int, sign: int, offset: int, device) -> torch.Tensor:
+    """``offset + arange(rows)[:, None] + sign * arange(columns)``, cached outside traced
+    and compiled code (a trace must build its own: it cannot use a tensor made outside it
+    inside an autograd.Function's forward)."""
+    key = (rows, columns, sign, offset, device)
+    static = _static_control_flow()
+    index = None if static else _INDEX_CACHE.get(key)
+    if index is None:
+        index = torch.arange(rows)[:, None] + sign * torch.arange(columns) + offset
+        index = index.to(device)
+        if not static:
+            if len(_INDEX_CACHE) >= _INDEX_CACHE_SIZE:  # a bound on its memory
+                _INDEX_CACHE.clear()
+            _INDEX_CACHE[key] = index
+    return index
+
+
 def _convolve_terms(left, right, out_width: int, pad_value=-_INF) -> torch.Tensor:
     """Terms ``left[t] + right[j - t]``, shape (out_width, w, batch, nodes)."""
     w = int(left.shape[0])
     padded = _pad_width(right, w - 1, max(0, out_width - int(right.shape[0])), pad_value)
-    index = torch.arange(out_width)[:, None] - torch.arange(w) + (w - 1)
-    return padded[index.to(padded.device)] + left[None]
+    return padded[_window_index(out_width, w, -1, w - 1, padded.device)] + left
 
 
 def _correlate_terms(outside, sibling, pad_value=-_INF) -> torch.Tensor:
@@ -104,23 +135,29 @@ def _correlate_terms(outside, sibling, pad_value=-_INF) -> torch.Tensor:
     width (the child's outside entry a sums them over t)."""
     w = int(sibling.shape[0])
     padded = _pad_width(outside, 0, max(0, 2 * w - 1 - int(outside.shape[0])), pad_value)
-    index = torch.arange(w)[:, None] + torch.arange(w)
-    return padded[index.to(padded.device)] + sibling[None]
+    return padded[_window_index(w, w, 1, 0, padded.device)] + sibling
 
 
-def _logsumexp(terms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _logsumexp(terms: torch.Tensor, with_weights: bool = True):
     """(logsumexp over axis 1, the softmax weights of the terms, 0 where every term is
-    -inf). Written out: torch.logsumexp is several times slower on small CPU tensors, and
-    the weights are the tangent pass's."""
+    -inf, or None without ``with_weights``). Written out: torch.logsumexp is several times
+    slower on small CPU tensors, and the weights are the tangent pass's."""
     top = terms.amax(1, keepdim=True).clamp(min=torch.finfo(terms.dtype).min)
     weights = torch.exp(terms - top)
     total = weights.sum(1, keepdim=True)
-    return (torch.log(total) + top)[:, 0], weights / total.clamp(min=1.0)
+    table = (torch.log(total) + top)[:, 0]
+    return table, weights / total.clamp(min=1.0) if with_weights else None
+
+
+def _logsumexp_value(terms: torch.Tensor) -> tuple[torch.Tensor, None]:
+    return _logsumexp(terms, False)
 
 
 def _shift(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The table less its largest entry (a table with no possible entry stays -inf)."""
-    top = table.amax(0, keepdim=True).clamp(min=torch.finfo(table.dtype).min)
+    """The table less its largest entry. Every table has a finite entry (the count 0 of a
+    subtree, or for an outside table some count that completes k), so the largest entry
+    is finite."""
+    top = table.amax(0, keepdim=True)
     return table - top, top
 
 
@@ -148,13 +185,13 @@ def _upward(leaves: torch.Tensor, k_max: int, lse=_logsumexp, with_log_scale: bo
 
 
 def _root_outside(root: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    counts = torch.arange(int(root.shape[0]), device=root.device)[:, None, None]
+    counts = _window_index(int(root.shape[0]), 1, 0, 0, root.device)[..., None]
     return torch.where(counts == k[:, None], 0.0, -_INF).to(root.dtype)
 
 
 def _siblings(table: torch.Tensor) -> torch.Tensor:
-    left, right = _halves(table)
-    return torch.cat([right, left], -1)
+    """Each node's sibling: the halves swapped."""
+    return table.roll(int(table.shape[-1]) // 2, -1)
 
 
 def _downward(tables, k: torch.Tensor, lse=_logsumexp):
@@ -176,11 +213,13 @@ def _log_odds(leaves: torch.Tensor, outside: torch.Tensor, n: int) -> torch.Tens
     return on - off
 
 
-def _prepare(logits: torch.Tensor, k: torch.Tensor, k_max: int, with_log_scale: bool = False):
+def _prepare(
+    logits: torch.Tensor, k: torch.Tensor, k_max: int, with_log_scale=False, lse=_logsumexp
+):
     c = tilt(logits, k, k_max)
     x = logits + c
     leaves = _leaves(x)
-    return c, x, leaves, _upward(leaves, k_max, with_log_scale=with_log_scale)
+    return c, x, leaves, _upward(leaves, k_max, lse, with_log_scale)
 
 
 def _safe_logsumexp(terms: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -224,7 +263,7 @@ def _tangent(x, tangent, tables, up_weights, down_weights, log_odds):
         d_terms = _correlate_terms(d_outside.repeat(1, 1, 2), _siblings(d_table), 0.0)
         d_outside = (weights * d_terms).sum(1)
     d_log_odds = (d_leaves[1] - d_leaves[0] + d_outside[1] - d_outside[0])[:, :n]
-    return torch.where(torch.isfinite(log_odds), d_log_odds, 0.0)
+    return torch.where(log_odds.abs() < _INF, d_log_odds, 0.0)  # 0 where +-inf or NaN
 
 
 def _forward_pass(logits: torch.Tensor, k: torch.Tensor, k_max: int):
@@ -239,6 +278,10 @@ class _Marginals(torch.autograd.Function):
     and the sampler use: x, the log odds, the tables (leaves first), the up- and downward
     softmax weights. All outputs are tensors (``torch.jit.trace`` records no others)."""
 
+    # Plain tensor operations without decisions on values in forward and backward, so
+    # torch.func can batch both (jacrev vmaps the backward over the cotangents).
+    generate_vmap_rule = True
+
     @staticmethod
     def forward(logits, k, k_max):
         with torch.no_grad():
@@ -252,11 +295,28 @@ class _Marginals(torch.autograd.Function):
         mu, complement, x, log_odds = output[:4]
         levels = (len(output) - 5) // 3
         ctx.mark_non_differentiable(*output[1:])
+        # The other outputs' gradients are never used: not materialised as zero tensors
+        # (one operator call each, three per tree level).
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(logits, k, mu, complement, x, log_odds, *output[4:])
+        ctx.save_for_forward(mu, complement, x, log_odds, *output[4:])
         ctx.levels, ctx.k_max = levels, k_max
 
     @staticmethod
+    def jvp(ctx, logits_dot, *unused):
+        # Forward mode (torch.func.jvp, jacfwd): the tangent pass is a directional
+        # derivative already; only mu has one (the other outputs are non-differentiable).
+        mu, complement, x, log_odds, *rest = ctx.saved_tensors
+        levels = ctx.levels
+        tables, up_weights = rest[: levels + 1], rest[levels + 1 : 2 * levels + 1]
+        down_weights = rest[2 * levels + 1 :]
+        d = _tangent(x, logits_dot, tables, up_weights, down_weights, log_odds)
+        return (mu * complement * d,) + (None,) * (len(rest) + 3)
+
+    @staticmethod
     def backward(ctx, grad, *unused):
+        if grad is None:
+            return None, None, None
         logits, k, mu, complement, x, log_odds, *rest = ctx.saved_tensors
         levels = ctx.levels
         tables, up_weights = rest[: levels + 1], rest[levels + 1 : 2 * levels + 1]
@@ -264,9 +324,12 @@ class _Marginals(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph: differentiable again
             # Recomputed from differentiable operations on the input itself, so that the
             # result is a function of it in the graph being built.
-            again = _differentiable_marginals(logits, k, ctx.k_max)
-            (vjp,) = torch.autograd.grad(again, logits, grad, create_graph=True)
-            return vjp, None, None
+            # torch.func.vjp, not autograd.grad: it also runs where torch.func calls this
+            # backward (jacrev batches it over cotangents whose logits need no grad).
+            _, pullback = torch.func.vjp(
+                lambda x: _differentiable_marginals(x, k, ctx.k_max), logits
+            )
+            return pullback(grad)[0], None, None
         with torch.no_grad():
             d = _tangent(x, grad, tables, up_weights, down_weights, log_odds)
             return mu * complement * d, None, None
@@ -289,33 +352,52 @@ def marginals(logits: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tensor
 
 
 def normalizer_parts(logits: torch.Tensor, k: torch.Tensor, k_max: int):
-    """(tilt, log_reduced), float64, shape ``batch`` (see
-    ``exactly_k_kernels.NormalizerParts``), from one upward pass."""
+    """(tilt, log_reduced), float64, shape ``batch``, and the function that returns the
+    marginals from this upward pass's tables by one downward pass (see
+    ``exactly_k_kernels.NormalizerParts``)."""
     with torch.no_grad():
         flat_logits, flat_k = _flatten(logits.detach(), k)
-        c, _, _, (tables, _, log_scale) = _prepare(flat_logits, flat_k, k_max, True)
+        prepared = _prepare(flat_logits, flat_k, k_max, True, _logsumexp_value)
+        c, (tables, _, log_scale) = prepared[0], prepared[3]
         root_k = tables[-1][:, :, 0].gather(0, flat_k.long()[None])[0]
         log_reduced = root_k.to(torch.float64) + log_scale
         batch_shape = logits.shape[:-1]
-        return c[:, 0].to(torch.float64).reshape(batch_shape), log_reduced.reshape(batch_shape)
+
+    shape = logits.shape
+
+    def saved_marginals() -> torch.Tensor:
+        with torch.no_grad():
+            outside = _downward(tables, flat_k, _logsumexp_value)[0]
+            return torch.sigmoid(_log_odds(tables[0], outside, shape[-1])).reshape(shape)
+
+    tilt_part = c[:, 0].to(torch.float64).reshape(batch_shape)
+    return tilt_part, log_reduced.reshape(batch_shape), saved_marginals
 
 
 def _draw(tables, k: torch.Tensor, num_samples: int) -> torch.Tensor:
     """Counts of ones per leaf, (num_samples, batch, m), top-down from k."""
     counts = k.long()[None, :, None].expand(num_samples, -1, 1)  # (samples, batch, nodes)
-    for table in reversed(tables[:-1]):
+    # The Gumbel noise of every level at once (a level's noise has the shape of its log
+    # weights below: width, samples, batch, half the nodes).
+    shapes = [
+        (int(t.shape[0]), num_samples, int(t.shape[1]), int(t.shape[2]) // 2)
+        for t in reversed(tables[:-1])
+    ]
+    sizes = [math.prod(shape) for shape in shapes]
+    dtype, device = tables[0].dtype, tables[0].device
+    uniform = torch.rand(sum(sizes), dtype=dtype, device=device)
+    gumbel = -torch.log(-torch.log(uniform.clamp(min=torch.finfo(dtype).tiny)))
+    noises = gumbel.split(sizes)
+    for table, noise, shape in zip(reversed(tables[:-1]), noises, shapes, strict=True):
         left, right = _halves(table)
-        w = int(table.shape[0])
+        w = shape[0]
         # The right child's entry c - m for m = 0..w-1, from its table padded with -inf.
         padded = _pad_width(right, w - 1, w - 1)[:, None]
-        offsets = (w - 1 - torch.arange(w, device=counts.device))[:, None, None, None]
-        index = counts[None] + offsets
+        index = counts + _window_index(1, w, -1, w - 1, device).reshape(w, 1, 1, 1)
         log_weight = left[:, None] + padded.expand((padded.shape[0],) + counts.shape).gather(
             0, index
         )
-        uniform = torch.rand(log_weight.shape, dtype=log_weight.dtype, device=counts.device)
-        tiny = torch.finfo(uniform.dtype).tiny
-        ones_left = (log_weight - torch.log(-torch.log(uniform.clamp(min=tiny)))).max(0).indices
+        ones_left = (log_weight + noise.view(shape)).max(0).indices
         counts = torch.cat([ones_left, counts - ones_left], -1)
     return counts
 
@@ -334,10 +416,10 @@ def sample_and_marginals(
         mu = mu.reshape(logits.shape)
     else:
         with torch.no_grad():
-            tables = _prepare(flat_logits.detach(), flat_k, k_max)[3][0]
+            tables = _prepare(flat_logits.detach(), flat_k, k_max, lse=_logsumexp_value)[3][0]
         mu = None
     with torch.no_grad():
-        counts = _draw([t.detach() for t in tables], flat_k, sample_shape.numel())
+        counts = _draw(tables, flat_k, sample_shape.numel())  # no gradient: non-differentiable
         z = counts[..., : int(logits.shape[-1])].to(logits.dtype)
     return z.reshape(sample_shape + logits.shape), mu
 

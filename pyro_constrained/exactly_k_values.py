@@ -1,6 +1,7 @@
 """The torch exactly-k kernels' log normaliser in two parts, and the quantities computed from
 them without cancellation (log_prob, cross-entropy, log constraint probability)."""
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -21,6 +22,11 @@ class NormalizerParts(NamedTuple):
 
     tilt: torch.Tensor
     log_reduced: torch.Tensor
+    # Where the parts come from an upward pass whose tables are kept: a function of no
+    # arguments returning the marginals (no gradient, the logits' shape) by one downward
+    # pass over them, so that log_normalizer's backward pass need not repeat the upward
+    # pass; None otherwise. The tables live as long as the parts do.
+    marginals: Callable[[], torch.Tensor] | None = None
 
 
 def _tilted(logits: torch.Tensor, tilt: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ from torch.distributions.utils import lazy_property
 
 from constrained_ppl.arguments import LCN_GRAD_ESTIMATORS, check_value_shape, keyword_only
 from constrained_ppl.conditioning import warn_if_unresolvable
+from pyro_constrained._autograd import is_differentiated
 from pyro_constrained._lcn_arguments import ARG_CONSTRAINTS, parse_arguments
 from pyro_constrained._lcn_math import (
     _ProjectedLogDensity,
@@ -34,6 +35,7 @@ from pyro_constrained.affine_subspace import (
     AffineSubspace,
     AffineSubspaceTransform,
     may_come_from_a_frozen_bijection,
+    moving_subspaces,
     refuse_a_moved_support,
 )
 from pyro_constrained.linear_constraint import (
@@ -45,7 +47,12 @@ from pyro_constrained.linear_constraint import (
     _rows_times,
 )
 
-__all__ = ["AffineSubspace", "AffineSubspaceTransform", "LinearConstrainedNormal"]
+__all__ = [
+    "AffineSubspace",
+    "AffineSubspaceTransform",
+    "LinearConstrainedNormal",
+    "moving_subspaces",
+]
 
 #: The options of ``grad_estimator`` (the name this module had for them).
 GRAD_ESTIMATORS = LCN_GRAD_ESTIMATORS
@@ -524,7 +531,7 @@ class LinearConstrainedNormal(TorchDistribution):
         off_subspace = None if self._validate_args else ~self._constraint._check(value, self.k)
         if off_subspace is not None and may_come_from_a_frozen_bijection(self, value):
             refuse_a_moved_support(off_subspace, type(self).__name__)
-        if self._projects(value) and not self.A.requires_grad:
+        if self._projects(value) and not is_differentiated(self.A):
             basis_t, log_normalizer = self._detached_factors()
             return _ProjectedLogDensity.apply(
                 value, self.loc, self.scale, self.A, basis_t, log_normalizer, off_subspace

@@ -47,8 +47,8 @@ __all__ = ["PoissonBinomial"]
 
 # A root entry at least this fraction of its table's largest entry keeps its relative
 # precision to about eps / _WINDOW (FFT rounding is relative to the largest entry; the
-# direct sums are exact for every entry the window admits). Measured against mpmath
-# (tests/test_poisson_binomial.py): 1e-13 relative in float64.
+# direct sums are exact for every entry the window admits), times a factor that grows slowly
+# with the number of FFT levels (benchmarks/README.md).
 _WINDOW = 1e-3
 # An entry j of a pass tilted by c to the target t carries a rounding error of about
 # eps |c (j - t)| in log P (the tilt is rounded into every tilted logit and taken out again
@@ -195,7 +195,8 @@ class PoissonBinomial(TorchDistribution):
     ``log_cdf``, ``log_survival_function``, ``entropy``, ``mode``, KL) cost about
     ``0.4 sqrt(n)`` passes when the logits need no gradient, and one pass per count when
     they do (moderate n only). The entries of ``log_pmf`` are accurate to about 1e-13
-    relative in float64 (see the module docstring).
+    relative in float64 near each pass's target, 1e-12 at the edges of its window (the
+    numbers: benchmarks/README.md), and to float32's rounding of ``log P`` in float32.
 
     :param logits: log-odds, shape ``batch + (n,)``; entries may be ``+-inf``.
     :param probs: probabilities in [0, 1] instead of logits (exactly one of the two).

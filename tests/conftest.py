@@ -17,10 +17,12 @@ import tempfile
 
 import jax
 import numpy as np
+import numpyro
 import pyro
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+from numpyro.distributions import distribution as numpyro_distribution
 
 jax.config.update("jax_enable_x64", True)
 
@@ -98,6 +100,80 @@ def pytest_cmdline_main(config):
         config.option.numprocesses = "auto"
 
 
+# Process-wide settings that a test may change only for itself. Each test runs in a worker
+# process after others, so a setting one of them left behind (a default dtype, a thread
+# count, flushed denormals, a JAX flag) changes what later tests compute: a float32
+# comparison that passes alone can then fail in the full run. The guard below restores
+# every one of them after each test and fails the test that changed it.
+_JAX_FLAGS = (
+    "jax_enable_x64",
+    "jax_disable_most_optimizations",
+    "jax_default_matmul_precision",
+    "jax_numpy_rank_promotion",
+    "jax_numpy_dtype_promotion",
+    "jax_debug_nans",
+    "jax_debug_infs",
+    "jax_disable_jit",
+    "jax_default_prng_impl",
+)
+
+
+def _read_jax_flag(name):
+    try:
+        return jax.config.read(name)
+    except AttributeError:  # flags that have a context manager are read as attributes
+        return getattr(jax.config, name)
+
+
+def _flushes_denormals() -> bool:
+    # torch has no getter for set_flush_denormal: a denormal input reads as 0 when it is on.
+    return float(torch.tensor([2.0**-1070], dtype=torch.float64).mul(1.0)) == 0.0
+
+
+def _global_settings() -> dict:
+    settings_now = {
+        "torch default dtype": (torch.get_default_dtype(), torch.set_default_dtype),
+        "torch threads": (torch.get_num_threads(), torch.set_num_threads),
+        "torch grad mode": (torch.is_grad_enabled(), torch.set_grad_enabled),
+        "torch anomaly detection": (torch.is_anomaly_enabled(), torch.set_anomaly_enabled),
+        "torch deterministic algorithms": (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.use_deterministic_algorithms,
+        ),
+        "torch float32 matmul precision": (
+            torch.get_float32_matmul_precision(),
+            torch.set_float32_matmul_precision,
+        ),
+        "torch flush denormal": (_flushes_denormals(), torch.set_flush_denormal),
+        "numpyro validation": (
+            numpyro_distribution._VALIDATION_ENABLED,
+            numpyro.enable_validation,
+        ),
+        "numpy error handling": (np.geterr(), lambda errors: np.seterr(**errors)),
+    }
+    for name in _JAX_FLAGS:
+        settings_now[name] = (
+            _read_jax_flag(name),
+            lambda value, name=name: jax.config.update(name, value),
+        )
+    return settings_now
+
+
+@pytest.fixture(autouse=True)
+def _restore_global_settings():
+    """Restore the settings above after each test; fail the test that changed one."""
+    before = _global_settings()
+    yield
+    changed = []
+    for name, (value, _) in _global_settings().items():
+        previous, restore = before[name]
+        if value != previous:
+            restore(previous)
+            changed.append(f"{name}: {previous!r} -> {value!r}")
+    if changed:
+        pytest.fail("the test left global settings changed (now restored): " + "; ".join(changed))
+
+
 @pytest.fixture(autouse=True)
 def _seed_torch_and_clear_pyro():
     pyro.set_rng_seed(0)
@@ -121,7 +197,12 @@ def pytest_sessionfinish(session):
 # the tests whose parameters include float32 (a dtype, its name, or a conformance case of
 # that dtype) and those marked ``user_config``, except torch-only ones. ``x64_only`` keeps a
 # float32 test out of it (it needs float64 in the test itself, say so in the reason). A
-# module may name the tests that take part in ``USER_CONFIG_TESTS``.
+# module may name the tests that take part in ``USER_CONFIG_TESTS``. ``user_config_only``
+# runs a test's JAX float32 variants in that configuration alone, not also as float32 arrays
+# with x64 on: for tests that compare values to a tolerance, where x64 off is the harder case
+# (x64 on lets the library accumulate in float64) and the x64 variant only repeated it at
+# the cost of its compilations. Not for tests of dtypes: x64 on is where float32 can be
+# promoted.
 USER_CONFIG_MODULES = {
     "test_conditioned_poisson_agreement",
     "test_conditioned_poisson_numpyro",
@@ -137,6 +218,7 @@ USER_CONFIG_MODULES = {
     "test_linear_constrained_normal_properties",
     "test_linear_constraint_agreement",
     "test_linear_constraint_numpyro",
+    "test_nn_numpyro",
 }
 _USER_CONFIG = "user-config"
 
@@ -146,6 +228,8 @@ def _is_float32(value) -> bool:
         return value == "float32"
     if value is torch.float32:
         return False
+    if isinstance(value, type) and issubclass(value, np.generic):  # np.float32 itself
+        return value is np.float32
     dtype = getattr(value, "dtype", value)
     if isinstance(dtype, str):
         return dtype == "float32"
@@ -179,6 +263,10 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "x64_only: a float32 test that needs float64 itself; not run with x64 off"
     )
+    config.addinivalue_line(
+        "markers",
+        "user_config_only: its JAX float32 variants run with x64 off only (see conftest.py)",
+    )
 
 
 def pytest_generate_tests(metafunc):
@@ -186,12 +274,23 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("_jax_mode", ["x64", _USER_CONFIG], indirect=True)
 
 
+def _only_in_user_config(item) -> bool:
+    """A JAX float32 variant with x64 on of a ``user_config_only`` test."""
+    if not item.get_closest_marker("user_config_only"):
+        return False
+    params = {name: value for name, value in item.callspec.params.items() if name != "_jax_mode"}
+    return params.get("framework") != "torch" and any(map(_is_float32, params.values()))
+
+
 def pytest_collection_modifyitems(config, items):
     selected, deselected = [], []
     for item in items:
         callspec = getattr(item, "callspec", None)
-        if callspec is not None and callspec.params.get("_jax_mode") == _USER_CONFIG:
+        mode = None if callspec is None else callspec.params.get("_jax_mode")
+        if mode == _USER_CONFIG:
             (selected if _wants_user_config(item) else deselected).append(item)
+        elif mode == "x64" and _only_in_user_config(item):
+            deselected.append(item)
         else:
             selected.append(item)
     if deselected:
@@ -200,7 +299,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _jax_mode(request):
+def _jax_mode(request, _restore_global_settings):
     """The JAX configuration of one test: the suite's (``x64``) or NumPyro's default."""
     if getattr(request, "param", "x64") != _USER_CONFIG:
         yield

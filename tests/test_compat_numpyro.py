@@ -245,3 +245,50 @@ def test_the_private_name_check_finds_private_names(tmp_path):
         "numpyro.distributions.constraints._Interval",
         "numpyro.distributions.constraints._IndependentConstraint",
     }
+
+
+@pytest.mark.parametrize(
+    "guide_name", ["AutoNormal", "AutoDelta", "AutoDiagonalNormal", "AutoMultivariateNormal"]
+)
+def test_an_autoguide_on_a_moving_subspace_is_refused_at_setup(guide_name):
+    """What ``_compat.autoguide_being_set_up`` is for: an AutoGuide set up on a model whose
+    subspace moves (k = 3 t, t latent) raises the ValueError naming the reparam at
+    ``SVI.init``. Without it (before the check, or when NumPyro builds the bijections
+    elsewhere) ``SVI.init`` passes and every loss is inf."""
+    from numpyro.infer import SVI, Trace_ELBO, autoguide
+
+    model = _moving_support_model()
+    guide = getattr(autoguide, guide_name)(model)
+    svi = SVI(model, guide, numpyro.optim.Adam(0.01), Trace_ELBO())
+    try:
+        svi.init(jax.random.PRNGKey(0))
+    except ValueError as error:
+        message = str(error)
+        assert "numpyro_constrained.LinearConstrainedNormalReparam" in message, message
+        assert f"{guide_name}: the support of the LinearConstrainedNormal site(s) 'z' " in message
+        assert "(with 't')" in message, message
+    else:
+        pytest.fail(
+            f"NumPyro {numpyro.__version__}'s {guide_name} set itself up on a moving "
+            "subspace without the ValueError naming the reparam: its AutoGuides no longer "
+            f"build their bijections inside a method named {_compat.AUTOGUIDE_SETUP!r} (see "
+            "numpyro_constrained._compat.autoguide_being_set_up): update that name, or the "
+            "frame test, to where NumPyro's AutoGuides now call biject_to."
+        )
+
+
+def test_the_scoped_x64_switch_exists_and_is_scoped():
+    """``_compat.enable_x64`` finds JAX's scoped switch under either of its names; if JAX
+    drops both, update ``numpyro_constrained/_compat.py`` (the every-count
+    ``PoissonBinomial.log_pmf`` builds its tables in float64 with it)."""
+    import jax
+
+    outside = jax.config.jax_enable_x64
+    for wanted in (True, False):
+        with _compat.enable_x64(wanted):
+            assert jax.config.jax_enable_x64 is wanted, (
+                "numpyro_constrained/_compat.enable_x64 no longer switches JAX's x64 mode: "
+                "update it to this JAX's scoped switch"
+            )
+            assert jnp.asarray(1.0).dtype == (jnp.float64 if wanted else jnp.float32)
+        assert jax.config.jax_enable_x64 is outside

@@ -1,14 +1,21 @@
-"""No private torch or Pyro name in ``pyro_constrained`` outside a ``_compat`` module.
+"""Every entry of ``pyro_constrained._compat`` checked against the installed torch and Pyro,
+and no private torch or Pyro name in ``pyro_constrained`` outside that module.
 
-``pyro_constrained`` has no ``_compat`` module: every framework behaviour it relies on is
-reached through a public API (``LinearConstrainedNormal``: ``save_for_backward`` /
+The one entry (the AutoGuide whose setup asks for a subspace's bijection) is checked by
+``test_autoguide_without_reparam_when_k_moves_is_refused_at_setup`` in
+``tests/test_reparam_pyro.py``, which runs each AutoGuide kind on a moving subspace and
+fails, saying what to update, when Pyro builds its bijections elsewhere. Everything else is
+reached through public APIs (``LinearConstrainedNormal``: ``save_for_backward`` /
 ``setup_context`` for its autograd Function, which ``torch.func`` then runs, ``torch.randn``,
-torch's own argument validation, a bijection without tags on its values). Should one become
-necessary, it goes in ``pyro_constrained/_compat.py`` with a test here that fails, saying
-what to update, when the behaviour it relies on changes.
+torch's own argument validation, a bijection without tags on its values).
 """
 
+import math
 import pathlib
+
+import pytest
+import torch
+from torch.distributions import Distribution
 
 import pyro_constrained
 from tests._private_names import private_framework_names
@@ -18,12 +25,7 @@ FRAMEWORKS = ("torch", "pyro", "sys")
 # Private names still used outside _compat, each waiting for its issue-34 item in a module
 # that another change owns: this set only shrinks (the test fails when an entry disappears
 # too, so that it is removed here).
-PENDING = {
-    # The class-wide default of validate_args, read where a constructor needs it before
-    # torch's Distribution.__init__ has run (issue 34 item 2).
-    ("count_constrained_bernoulli.py", "torch.distributions.Distribution._validate_args"),
-    ("exactly_k_bernoulli.py", "torch.distributions.Distribution._validate_args"),
-}
+PENDING: set = set()
 
 
 def test_no_private_framework_name_outside_compat():
@@ -59,3 +61,37 @@ def test_the_private_name_check_finds_private_names(tmp_path):
         "torch.distributions.constraints._Real",
         "pyro.distributions.torch_distribution._Foo",
     }
+
+
+# (class, arguments that only a validating constructor rejects, the message it gives)
+_CHECKED_IN_CONSTRUCTOR = [
+    (pyro_constrained.ExactlyKBernoulli, {"logits": torch.zeros(4), "k": 5}, "k must be in"),
+    (
+        pyro_constrained.CountConstrainedBernoulli,
+        {"logits": torch.zeros(4), "low": 3, "high": 2},
+        "0 <= low <= high",
+    ),
+]
+
+
+@pytest.mark.parametrize("cls,kwargs,message", _CHECKED_IN_CONSTRUCTOR)
+@pytest.mark.parametrize("default", [True, False])
+@pytest.mark.parametrize("validate_args", [None, True, False])
+def test_constructor_checks_follow_torch_default_validate_args(
+    cls, kwargs, message, default, validate_args
+):
+    """The constructors that check their arguments before ``Distribution.__init__`` resolve
+    ``validate_args`` as torch does: an explicit value wins, else the default that torch's
+    public ``Distribution.set_default_validate_args`` sets (set here directly, not through
+    ``pyro.enable_validation``, whose own flag then disagrees)."""
+    Distribution.set_default_validate_args(default)
+    try:
+        validates = default if validate_args is None else validate_args
+        if validates:
+            with pytest.raises(ValueError, match=message):
+                cls(**kwargs, validate_args=validate_args)
+        else:
+            d = cls(**kwargs, validate_args=validate_args)
+            assert d.log_prob(torch.tensor([1.0, 1.0, 1.0, 0.0])).item() == -math.inf
+    finally:
+        Distribution.set_default_validate_args(True)

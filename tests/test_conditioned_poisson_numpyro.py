@@ -746,3 +746,43 @@ def test_repr_names_each_parameter_by_value_or_shape():
         "ConditionedPoisson(rate: (3, 4), k: (3,))"
     )
     assert repr(ConditionedPoisson(rate[0], k=7.0)) == "ConditionedPoisson(rate: (4,), k: 7)"
+
+
+MODE_CASES = [
+    ([1.0, 1.0, 1.0], [4, 0, 1, 2, 5]),  # all tied
+    ([0.3, 0.3, 1.7, 1.7, 1.7], [6, 7, 3]),  # ties within two blocks
+    ([2.0, 1.0], [2, 3, 5]),  # exact ties between different rates (2/2 = 1/1)
+    ([0.0, 1.0, 2.0, 0.0], [5, 0, 3]),  # zero rates (validation off)
+    ([1e-300, 1.0, 1e300], [4]),  # a rate that vanishes beside another
+    ([5.0], [0, 3]),  # one category
+    ([0.05, 0.9, 0.05, 2.2], [9, 1]),
+]
+
+
+def test_mode_is_a_brute_force_mode_with_ties_to_the_lower_index():
+    # Every case in one batch (one set of dispatched ops), padded with zero rates, which
+    # take no unit.
+    rate = np.concatenate([np.tile(np.pad(r, (0, 5 - len(r))), (len(k), 1)) for r, k in MODE_CASES])
+    k = np.concatenate([k for _, k in MODE_CASES])
+    d = ConditionedPoisson(jnp.asarray(rate), k=jnp.asarray(k), validate_args=False)
+    mode = np.asarray(d.mode)
+    np.testing.assert_array_equal(mode.sum(-1), k)
+    oracle.check_mode_against_brute_force(np.asarray(d.rate, np.float64), k, mode)
+
+
+def test_mode_under_jit_with_a_traced_k_and_no_bound_and_at_large_n():
+    """A traced ``k`` without ``k_max`` bounds the candidates by the dtype's exact integers;
+    at n = 2e4 and k = 2e5 the mode takes one sort (the loop it replaces handed out up to n
+    units one at a time, each a pass over n)."""
+    rate = jnp.asarray([[0.05, 0.9, 0.05, 2.2], [1.0, 1.0, 1.0, 1.0]])
+    k = jnp.asarray([9, 6])
+    mode = jax.jit(lambda r, k: ConditionedPoisson(r, k=k).mode)(rate, k)
+    eager = ConditionedPoisson(rate, k=k).mode
+    np.testing.assert_array_equal(np.asarray(mode), np.asarray(eager))
+    oracle.check_mode_against_brute_force(np.asarray(rate, np.float64), np.asarray(k), eager)
+    big = np.random.default_rng(3).gamma(1.0, size=(1, 20_000)) + 1e-3
+    d = ConditionedPoisson(jnp.asarray(big), k=200_000)
+    mode = np.asarray(d.mode, np.float64)
+    assert mode.sum() == 200_000
+    log_p = oracle.reference_log_p(np.asarray(d.rate, np.float64))
+    assert oracle.is_locally_optimal(log_p, mode)

@@ -694,3 +694,89 @@ def test_repr_names_each_parameter_by_value_or_shape():
     assert repr(ConditionedPoisson(rate[0], k=7)) == (
         "ConditionedPoisson(rate: torch.Size([4]), k: 7)"
     )
+
+
+# mode (vectorised: a lower bound plus the remaining units of largest gain, by one sort) ----
+
+
+@pytest.mark.parametrize(
+    "rate,k",
+    [
+        ([1.0, 1.0, 1.0], [4, 0, 1, 2, 5]),  # all tied
+        ([0.3, 0.3, 1.7, 1.7, 1.7], [6, 7, 3]),  # ties within two blocks
+        ([2.0, 1.0], [2, 3, 5]),  # exact ties between different rates (2/2 = 1/1)
+        ([0.0, 1.0, 2.0, 0.0], [5, 0, 3]),  # zero rates (validation off)
+        ([1e-300, 1.0, 1e300], [4]),  # a rate that vanishes beside another
+        ([5.0], [0, 3]),  # one category
+        ([0.05, 0.9, 0.05, 2.2], [9, 1]),
+    ],
+)
+def test_mode_is_a_brute_force_mode_with_ties_to_the_lower_index(rate, k):
+    rate_t = torch.tensor(rate, dtype=torch.float64).expand(len(k), len(rate))
+    d = ConditionedPoisson(rate_t, k=torch.tensor(k), validate_args=False)
+    mode = d.mode
+    assert mode.dtype == torch.float64 and mode.shape == (len(k), len(rate))
+    assert torch.equal(mode.sum(-1), torch.tensor(k, dtype=torch.float64))
+    oracle.check_mode_against_brute_force(rate_t.numpy(), np.array(k), mode.numpy())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mode_of_a_batch_with_per_batch_k_matches_brute_force(dtype):
+    rng = np.random.default_rng(5)
+    rate = rng.gamma(0.7, size=(3, 2, 4)) + 1e-3
+    rate[0, 1] = [0.4, 0.4, 0.4, 1.3]  # a tied block inside the batch
+    k = np.array([[0], [6], [11]]) + np.array([0, 3])  # (3, 2), every element its own k
+    d = ConditionedPoisson(torch.tensor(rate, dtype=dtype), k=torch.tensor(k))
+    mode = d.mode
+    assert mode.dtype == dtype and mode.shape == (3, 2, 4)
+    # The reference takes the rates as the distribution holds them (float32 rounded).
+    oracle.check_mode_against_brute_force(d.rate.double().numpy(), k, mode.double().numpy())
+
+
+def test_mode_agrees_with_numpyro_and_is_optimal_where_enumeration_cannot_go():
+    import jax.numpy as jnp
+
+    from numpyro_constrained import ConditionedPoisson as NumPyroConditionedPoisson
+
+    rng = np.random.default_rng(7)
+    # One batch (one NumPyro compilation): ordinary, 60-decade, tied and integer rates.
+    rate = np.concatenate(
+        [
+            rng.gamma(1.0, size=(4, 16)) + 1e-3,
+            np.exp(rng.normal(0.0, 40.0, size=(3, 16))),
+            np.ones((2, 16)),
+            rng.integers(1, 4, size=(3, 16)).astype(float),
+        ]
+    )
+    k = np.array([0, 17, 10_000, 123_457, 5, 1_000, 10**9, 13, 4_000_001, 7, 30, 2**40])
+    mode = ConditionedPoisson(torch.tensor(rate), k=torch.tensor(k)).mode.numpy()
+    expected = NumPyroConditionedPoisson(jnp.asarray(rate), k=jnp.asarray(k)).mode
+    np.testing.assert_array_equal(mode, np.asarray(expected))
+    np.testing.assert_array_equal(mode.sum(-1), k)
+    assert oracle.is_locally_optimal(oracle.reference_log_p(rate), mode)
+    # The largest k float64 holds, over many categories: a composition, locally optimal to
+    # the rounding of log p (there the two frameworks' log p, rounded differently, may
+    # move a unit between near-tied categories).
+    rate = rng.gamma(1.0, size=(1, 200))
+    mode = ConditionedPoisson(torch.tensor(rate), k=2**53).mode.numpy()
+    assert mode.sum() == 2**53
+    assert oracle.is_locally_optimal(oracle.reference_log_p(rate), mode)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated:DeprecationWarning")
+def test_mode_traced_replays_with_other_rates():
+    # No Python decision on the rates: a trace made with one set replays for any other.
+    import warnings
+
+    first = torch.tensor([[1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
+    k = torch.tensor([9, 6])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", torch.jit.TracerWarning)
+        traced = torch.jit.trace(
+            lambda rate: ConditionedPoisson(rate, k=k, validate_args=False).mode, (first,)
+        )
+    for rate in (
+        torch.tensor([[1e-30, 1.0, 1e30, 1.0], [5.0, 1.0, 1.0, 5.0]], dtype=torch.float64),
+        torch.tensor([[0.1, 0.1, 0.1, 9.0], [2.0, 1.0, 2.0, 1.0]], dtype=torch.float64),
+    ):
+        assert torch.equal(traced(rate), ConditionedPoisson(rate, k=k).mode)

@@ -361,3 +361,28 @@ def test_gradient_in_probs_with_exact_zeros_and_ones():
     for grad in (x.grad.numpy(), np.asarray(grad_jax)):
         assert np.all(np.isfinite(grad))
         np.testing.assert_allclose(grad[interior], expected[interior], atol=1e-8)
+
+
+@pytest.mark.parametrize("config", ["numpyro x64 off", "numpyro x64 on", "pyro"])
+def test_log_pmf_of_float32_tied_logits_near_the_mode(config):
+    # Tied float32 logits: the tables' leaf weights exp(theta + c) were all rounded alike in
+    # float32, an error of about j eps in log P(K = j) (at n = 512, 1e-5 beyond float32's
+    # rounding of log P with x64 off, 6e-6 with x64 on). The whole pmf must be exact to that
+    # rounding, against the binomial law in 30-digit arithmetic.
+    n, logit = 512, np.float32(0.3)
+    with mpmath.workdps(30):
+        p = 1 / (1 + mpmath.exp(-mpmath.mpf(float(logit))))
+        expected = np.array(
+            [
+                float(mpmath.log(mpmath.binomial(n, k) * p**k * (1 - p) ** (n - k)))
+                for k in range(n + 1)
+            ]
+        )
+    logits = np.full(n, logit)
+    if config == "pyro":
+        actual = _torch_dist(logits, torch.float32).log_pmf().numpy()
+    else:
+        with jax.enable_x64(config == "numpyro x64 on"):
+            actual = np.asarray(_jax_dist(logits, jnp.float32).log_pmf())
+    assert actual.dtype == np.float32
+    _close(actual, expected, 1e-6, 2.0**-23)

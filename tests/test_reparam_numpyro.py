@@ -135,3 +135,79 @@ def test_autodelta_with_reparam_finds_the_exact_posterior_mean_when_k_moves():
     mean, _ = exact_posterior(MU0, K_CASE[0], S, A, K_CASE[1], K_CASE[2], SIGMA, Y)
     np.testing.assert_allclose(draw, mean, atol=1e-3)
     assert abs(draw[1:].sum() - K_CASE[2][0] * draw[0]) < 1e-9  # on t's subspace
+
+
+# A LinearConstrainedNormal site whose subspace moves under an AutoGuide, without the reparam
+# (tests/test_compat_numpyro.py runs each AutoGuide kind on it): NumPyro's AutoGuides keep
+# the bijection of the initial trace, so before the check every loss was silently inf.
+
+
+def _svi(model, guide):
+    from numpyro.infer import SVI, Trace_ELBO
+
+    return SVI(model, guide, numpyro.optim.Adam(0.01), Trace_ELBO())
+
+
+def _first_loss(model, guide):
+    """The ELBO loss at the guide's initial parameters (eager: no step is compiled)."""
+    svi = _svi(model, guide)
+    return float(svi.evaluate(svi.init(jax.random.PRNGKey(0))))
+
+
+def test_autoguide_without_reparam_when_k_moves_raises_naming_the_reparam():
+    """The model of the exact AutoDelta test above (k = 3 t), without the reparam: refused
+    at SVI.init with the remedy; with it, the same guide kind has a finite loss."""
+    from numpyro.infer.autoguide import AutoNormal
+
+    model = make_model(*K_CASE)
+    svi = _svi(model, AutoNormal(model))
+    with pytest.raises(ValueError, match=r"LinearConstrainedNormalReparam\(\)") as error:
+        svi.init(jax.random.PRNGKey(0))
+    assert "config={'z': LinearConstrainedNormalReparam()}" in str(error.value)
+    fixed = reparam(model, config={"z": LinearConstrainedNormalReparam()})
+    assert np.isfinite(_first_loss(fixed, AutoNormal(fixed)))
+
+
+def test_autoguide_when_k_depends_on_a_parameter_raises_naming_it():
+    from numpyro.infer.autoguide import AutoDelta
+
+    def model():
+        total = numpyro.param("total", 2.0)
+        numpyro.sample("z", LinearConstrainedNormal(jnp.zeros(3), jnp.ones(3), k=total))
+
+    with pytest.raises(ValueError, match=r"'z' \(with 'total'\).*LinearConstrainedNormalReparam"):
+        _svi(model, AutoDelta(model)).init(jax.random.PRNGKey(0))
+
+
+@pytest.mark.parametrize("guide_name", ["AutoNormal", "AutoDelta"])
+def test_autoguide_on_a_subspace_that_does_not_move_is_not_refused(guide_name):
+    """A latent loc alone (LOC_CASE), a k = 0 * t that does not move, and an A that is a
+    constant: the loss is finite, as before the check."""
+    from numpyro.infer import autoguide
+
+    def model():
+        t = numpyro.sample("t", dist.Normal(0.0, 1.0))
+        loc = jnp.asarray(MU0) + t * jnp.asarray(LOC_CASE[0])
+        k = jnp.asarray(LOC_CASE[1]) + 0.0 * t
+        z = numpyro.sample("z", LinearConstrainedNormal(loc, jnp.asarray(S), A=jnp.asarray(A), k=k))
+        numpyro.sample("y", dist.Normal(z, SIGMA).to_event(1), obs=jnp.asarray(Y))
+
+    assert np.isfinite(_first_loss(model, getattr(autoguide, guide_name)(model)))
+
+
+def test_moving_subspaces_names_what_moves_each_site():
+    """``A`` depending on one latent, ``k`` on another, a third site fixed: each moving site
+    with the inputs that move it, found by differentiation (independently of how the
+    distribution stores A and k)."""
+    from numpyro_constrained.linear_constrained_normal import moving_subspaces
+
+    def model():
+        a = numpyro.sample("a", dist.Normal(0.0, 1.0))
+        b = numpyro.sample("b", dist.Normal(0.0, 1.0))
+        row = jnp.array([[1.0, 1.0, 2.0]]) + a * jnp.array([[0.0, 0.0, 0.1]])
+        numpyro.sample("by_a", LinearConstrainedNormal(jnp.zeros(3), jnp.ones(3), A=row, k=1.0))
+        with numpyro.plate("rows", 2):
+            numpyro.sample("by_b", LinearConstrainedNormal(jnp.zeros(3), jnp.ones(3), k=b + 1.0))
+        numpyro.sample("fixed", LinearConstrainedNormal(jnp.full(3, a), jnp.ones(3), k=1.0))
+
+    assert moving_subspaces(model) == {"by_a": ["a"], "by_b": ["b"]}

@@ -61,6 +61,9 @@ def test_the_small_path_is_taken_for_small_sites_only(framework):
     assert not small.applies(array((4, 1000)), 10)  # n above SMALL_N
     assert not small.applies(array((4096, 200)), 100)  # too many table entries
     assert not small.applies(array((1, 10)), 0)  # k_max = 0: the callers' own case
+    if framework == "torch":  # the marginals keep the small path up to larger tables
+        assert not small.applies(array((128, 50)), 5)
+        assert small.applies(array((128, 50)), 5, small.SMALL_ENTRIES_MARGINALS)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -237,7 +240,7 @@ def test_agrees_with_the_general_kernels_at_the_boundary(framework, monkeypatch)
 
     assert small.applies(torch.zeros(1, n) if framework == "torch" else jnp.zeros((1, n)), k_max)
     mu_small, log_z_small = both()
-    monkeypatch.setattr(small, "applies", lambda logits, k_max: False)
+    monkeypatch.setattr(small, "applies", lambda logits, k_max, *entries: False)
     mu_general, log_z_general = both()
     assert np.abs(mu_small - mu_general).max() <= 1e-12
     assert np.all(np.abs(log_z_small - log_z_general) <= 1e-12 * np.abs(log_z_general))
@@ -282,3 +285,24 @@ def test_jax_with_x64_off():
                 value = np.broadcast_to(subsets[0], logits.shape).astype(np.float32)
                 got = _numpy(d.log_prob(jnp.asarray(value)))[row]
                 assert abs(got - log_probs[0]) <= TOLERANCE["float32"] * max(1, abs(log_probs[0]))
+
+
+@pytest.mark.parametrize("path", ["small", "general"])
+def test_log_prob_backward_reuses_the_forward_upward_pass(path, monkeypatch):
+    """torch: ``log_prob(value).backward()`` does one upward pass (the backward pass takes
+    the marginals from the forward pass's tables by a downward pass), on the small path and
+    on the general kernels, and the gradient is ``value - marginals`` (enumeration)."""
+    logits = np.array([[0.3, -1.2, 2.0, -INF, -0.7, 1.1, 0.0], [1e4, 0.5, -1e4, 2.0, 1.0, 0, 3]])
+    k, value = 3, np.array([[1.0, 0, 1, 0, 0, 1, 0], [1, 0, 0, 1, 0, 0, 1]])
+    counted = {"small": (torch_small, "_upward"), "general": (torch_kernels, "_prepare")}
+    module, name = counted[path]
+    original, calls = getattr(module, name), []
+    monkeypatch.setattr(module, name, lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    if path == "general":
+        monkeypatch.setattr(torch_small, "applies", lambda logits, k_max, *entries: False)
+    theta = torch.tensor(logits, requires_grad=True)
+    TorchExactlyKBernoulli(logits=theta, k=k).log_prob(torch.tensor(value)).sum().backward()
+    assert len(calls) == 1
+    for row in range(2):
+        expected = value[row] - _enumerated_marginals(logits[row], k)
+        assert np.abs(_numpy(theta.grad[row]) - expected).max() <= 1e-12

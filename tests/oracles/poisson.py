@@ -239,3 +239,46 @@ def binomial_sum_entropy(rate, k: int) -> float:
     log_factorials = special.gammaln(outcomes + 1.0)
     expected = sum(float(stats.binom.pmf(outcomes, k, p_i) @ log_factorials) for p_i in p)
     return expected - float(special.gammaln(k + 1.0)) - k * float(np.sum(p * log_p))
+
+
+def reference_log_p(rate: np.ndarray) -> np.ndarray:
+    """``log(rate / sum(rate))`` in float64, written here (zero rates give ``-inf``)."""
+    with np.errstate(divide="ignore"):
+        log_rate = np.log(np.asarray(rate, dtype=np.float64))
+    return log_rate - special.logsumexp(log_rate, axis=-1, keepdims=True)
+
+
+def brute_force_modes(log_p: np.ndarray, k: int) -> tuple[float, list]:
+    """(the largest multinomial log-pmf, every composition within 1e-12 of it) over all
+    compositions of ``k`` into ``len(log_p)`` parts, by enumeration."""
+    n = len(log_p)
+    best, scored = -math.inf, []
+    for cuts in itertools.combinations(range(k + n - 1), n - 1):
+        parts = np.diff((-1, *cuts, k + n - 1)) - 1
+        terms = [z * lp if z else 0.0 for z, lp in zip(parts, log_p, strict=True)]
+        value = sum(terms) - sum(math.lgamma(z + 1) for z in parts)
+        scored.append((value, tuple(int(z) for z in parts)))
+        best = max(best, value)
+    tolerance = 1e-12 * max(1.0, abs(best))
+    return best, [parts for value, parts in scored if value >= best - tolerance]
+
+
+def check_mode_against_brute_force(rate: np.ndarray, k: np.ndarray, mode: np.ndarray):
+    """Each batch element's ``mode`` is one of its enumerated modes, and equal rates get
+    non-increasing counts (ties go to the lower index)."""
+    for index in np.ndindex(k.shape):
+        modes = brute_force_modes(reference_log_p(rate[index]), int(k[index]))[1]
+        assert tuple(mode[index].astype(int)) in modes, (rate[index], k[index], modes)
+        # Ties to the lower index: equal rates get non-increasing counts.
+        for i, j in itertools.combinations(range(rate.shape[-1]), 2):
+            if rate[index][i] == rate[index][j]:
+                assert mode[index][i] >= mode[index][j]
+
+
+def is_locally_optimal(log_p: np.ndarray, mode: np.ndarray) -> bool:
+    """No single unit moved from i to j raises the log-pmf (for a separable concave pmf,
+    the condition for a global maximum): ``log p_i - log m_i >= log p_j - log(m_j + 1)``."""
+    with np.errstate(divide="ignore"):
+        give = np.where(mode > 0, log_p - np.log(np.maximum(mode, 1)), np.inf)
+    take = log_p - np.log1p(mode)
+    return bool((give.min(-1) >= take.max(-1) - 1e-12 * np.abs(take).max(-1)).all())
