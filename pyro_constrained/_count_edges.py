@@ -11,6 +11,7 @@ helpers add zero-valued terms that carry it. See docs/numerics.md.
 
 import torch
 
+from pyro_constrained._autograd import is_differentiated
 from pyro_constrained._ekb_terms import _OddsTangents, odds_tangents
 from pyro_constrained.exactly_k_bernoulli import ExactlyKBernoulli
 
@@ -19,8 +20,8 @@ __all__ = ["count_log_terms", "edge_probs", "new_count_tangents", "range_tangent
 
 def edge_probs(probs: torch.Tensor | None, logits: torch.Tensor) -> torch.Tensor | None:
     """``probs`` where they need the one-sided terms: given by the caller (``probs`` is None
-    otherwise), requiring grad under grad mode, with an exact 0 or 1 (an infinite logit)."""
-    if probs is None or not probs.requires_grad or not torch.is_grad_enabled():
+    otherwise), differentiated (either mode), with an exact 0 or 1 (an infinite logit)."""
+    if probs is None or not is_differentiated(probs):
         return None
     if not bool((~torch.isfinite(logits)).any()):
         return None

@@ -26,6 +26,7 @@ from constrained_ppl.arguments import (
 )
 from constrained_ppl.enumeration import check_support_size, k_hot_table, single_count
 from pyro_constrained import exactly_k_kernels as kernels
+from pyro_constrained._autograd import is_differentiated
 from pyro_constrained._ekb_arguments import (
     VMAP_OVER_PARAMETERS,
     VMAP_OVER_VALUES,
@@ -290,9 +291,10 @@ class ExactlyKBernoulli(TorchDistribution):
     @lazy_property
     def _odds_tangents(self) -> _OddsTangents | None:
         """The derivatives in ``probs`` at exact 0 and 1 (see ``_OddsTangents``); None unless
-        the distribution was built from ``probs`` that require grad and hold a 0 or a 1."""
+        the distribution was built from ``probs`` that are differentiated (in either mode)
+        and hold a 0 or a 1."""
         probs = self.__dict__.get("probs")
-        if not self._from_probs or probs is None or not probs.requires_grad:
+        if not self._from_probs or probs is None or not is_differentiated(probs):
             return None
         off, on = probs == 0, probs == 1
         # Under torch.jit.trace the tangents are always built (zero where no prob is 0 or 1):

@@ -34,6 +34,7 @@ from torch.distributions.utils import lazy_property
 from constrained_ppl.arguments import check_value_shape
 from pyro_constrained import _count_edges as edges
 from pyro_constrained import exactly_k_kernels as kernels
+from pyro_constrained._autograd import is_differentiated
 from pyro_constrained._bernoulli_arguments import (
     LOGITS_PROBS_CONSTRAINTS,
     forced_counts,
@@ -316,7 +317,7 @@ class PoissonBinomial(TorchDistribution):
         n = self.total_count
         rows = self.batch_shape.numel()
         theta = self._kernel_logits.reshape(rows, n)
-        if torch.is_grad_enabled() and self.logits.requires_grad:
+        if is_differentiated(self.logits):
             j = torch.arange(n + 1).expand(rows, n + 1)
             free = self._num_free.reshape(-1, 1)
             theta_rows = theta.repeat_interleave(n + 1, dim=0)
