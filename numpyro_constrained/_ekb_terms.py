@@ -77,15 +77,10 @@ class _OddsTerms(NamedTuple):
         Z_all / Z = 1 + r_-1 sum w + r_+1 sum v + r_-2 e_2(w) + r_+2 e_2(v) + sum w sum v
                     + (terms of third order in w, v),
 
-    so ``log Z`` gains ``log1p`` of that sum (``_edge_log_terms``): exact to second order,
-    so that first and second derivatives (Hessians) are the one-sided ones. To first order,
-
-        mu_j += r_-1 (M_-j - mu_j) sum_{p_i = 0} dp_i - r_+1 (M_+j - mu_j) sum_{p_i = 1} dp_i
-                + (r_-1 [p_j = 0] + r_+1 [p_j = 1]) dp_j,
-
-    with ``M_-`` the marginals with one fewer one and ``M_+`` with one more (first order
-    only: the marginals' second derivatives at an exact 0 or 1 are not these). The fields
-    are zeros carrying these derivatives (a ``custom_jvp``: the extra kernels run only under
+    so ``log Z`` gains ``log1p`` of that sum and the marginals its derivatives, with the
+    marginals ``M_m`` of the counts ``k_free + m`` (``_odds_series``): exact to second
+    order, so that first and second derivatives (Hessians) are the one-sided ones. The
+    fields are zeros carrying these derivatives (a ``custom_jvp``: the extra kernels run only under
     differentiation; coefficients held to the dtype's finite range). ``softplus``: the
     constraint probability's extra term, ``sum_{p_i = 0} log(1 - p_i) + sum_{p_j = 1}
     log p_j`` (0 at the point)."""
@@ -106,27 +101,59 @@ def _count_ratio(free_logits, problem: "_FreeProblem", log_norm, step: int, size
     return jnp.minimum(ratio, float(jnp.finfo(free_logits.dtype).max)), k
 
 
-def _edge_log_terms(probs, free_logits, problem: "_FreeProblem", size: int):
-    """(log Z_all - log Z, the softplus term) as functions of the probs at exact 0 and 1
-    (both 0 there), to second order (see ``_OddsTerms``). A real function, not a tangent,
-    so that JAX's second derivatives, mixed ones with interior probs included, are right."""
+def _odds_series(probs, ratios, neighbours, mu, infeasible):
+    """(log Z_all - log Z, the marginals' change, the softplus term) as functions of the
+    probs (0 at the point), to second order in the odds (see ``_OddsTerms``): for a
+    normaliser whose neighbours (``step``: the change of the free variables' count, -1 and
+    -2 for variables at 0 switched on, +1 and +2 for variables at 1 switched off) have the
+    ratios ``ratios[step]`` and the marginals ``neighbours[step]``; ``mu`` the marginals at
+    the point. The marginals are the derivatives of ``log(1 + ratio)``: ``d ratio /
+    d theta_j / (1 + ratio)`` for a free j (``d r_s / d theta_j = r_s (M_s,j - mu_j)``),
+    ``w_i d log(1 + ratio) / d w_i`` at a 0 and ``-v_i d log(1 + ratio) / d v_i`` at a 1.
+    Shared with the count classes (``_count_edges``)."""
     off, on = probs == 0, probs == 1
+    largest = float(jnp.finfo(probs.dtype).max)
     # Safe branches: the untaken side of a where must have a finite derivative.
     at_zero = jnp.where(off, probs, 0.0)
     at_one = jnp.where(on, probs, 1.0)
     w = at_zero / (1 - at_zero)
     v = (1 - at_one) / at_one
-    log_norm = kernels.log_normalizer(free_logits, problem.k, size)
-    r = {
-        step: _count_ratio(free_logits, problem, log_norm, step, size)[0] for step in (-2, -1, 1, 2)
-    }
     sum_w, sum_v = w.sum(-1), v.sum(-1)
     pairs_w = (sum_w**2 - (w**2).sum(-1)) / 2
     pairs_v = (sum_v**2 - (v**2).sum(-1)) / 2
-    ratio = r[-1] * sum_w + r[1] * sum_v + r[-2] * pairs_w + r[2] * pairs_v + sum_w * sum_v
-    ratio = jnp.where(problem.infeasible, 0.0, ratio)
+    coefficients = {-1: sum_w, 1: sum_v, -2: pairs_w, 2: pairs_v}
+    ratio = sum(ratios[step] * coefficients[step] for step in coefficients)
+    ratio = jnp.where(infeasible, 0.0, ratio + sum_w * sum_v)
+    change = sum(
+        coefficients[step][..., None]
+        * jnp.nan_to_num(
+            ratios[step][..., None] * (neighbours[step] - mu),
+            nan=0.0,
+            posinf=largest,
+            neginf=-largest,
+        )
+        for step in coefficients
+    )
+    r = {step: ratios[step][..., None] for step in coefficients}
+    at_off = w * (r[-1] + r[-2] * (sum_w[..., None] - w) + sum_v[..., None])
+    at_on = -v * (r[1] + r[2] * (sum_v[..., None] - v) + sum_w[..., None])
+    marginals = jnp.where(off, at_off, jnp.where(on, at_on, change)) / (1 + ratio)[..., None]
     softplus = (jnp.log1p(-at_zero) + jnp.log(at_one)).sum(-1)
-    return jnp.log1p(ratio), softplus
+    return jnp.log1p(ratio), marginals, softplus
+
+
+def _edge_terms(probs, free_logits, logits, problem: "_FreeProblem", size: int):
+    """``_odds_series`` of the exactly-k normaliser: ratios ``e_{k_free + step} /
+    e_{k_free}`` and the marginals of those counts, from the free logits (differentiable, so
+    that JAX's second derivatives, mixed ones with interior probs included, are right)."""
+    log_norm = kernels.log_normalizer(free_logits, problem.k, size)
+    ratios, neighbours = {}, {}
+    for step in (-2, -1, 1, 2):
+        ratios[step], k = _count_ratio(free_logits, problem, log_norm, step, size)
+        free = kernels.marginals(free_logits, k, size)
+        neighbours[step] = _complete_selection(free, logits, problem._replace(k=k))
+    mu = _complete_selection(kernels.marginals(free_logits, problem.k, size), logits, problem)
+    return _odds_series(probs, ratios, neighbours, mu, problem.infeasible)
 
 
 @partial(jax.custom_jvp, nondiff_argnums=(3,))
@@ -141,28 +168,11 @@ def _odds_terms_jvp(size, primals, tangents):
     d_probs, d_problem = tangents[0], tangents[2]
     out = _odds_terms(probs, logits, problem, size)
     dtype = logits.dtype
-    _, (d_log_norm, d_softplus) = jax.jvp(
-        lambda p, free: _edge_log_terms(p, free, problem, size),
+    _, (d_log_norm, marginals, d_softplus) = jax.jvp(
+        lambda p, free: _edge_terms(p, free, logits, problem, size),
         (probs, problem.logits),
         (d_probs, d_problem.logits),
     )
-    # Differentiable coefficients (log_normalizer's derivative is the marginals), so that
-    # mixed second derivatives with an interior prob are right.
-    log_norm = kernels.log_normalizer(problem.logits, problem.k, size)
-    mu = _complete_selection(kernels.marginals(problem.logits, problem.k, size), logits, problem)
-    ratios, changes = [], []
-    for step in (-1, 1):
-        ratio, k = _count_ratio(problem.logits, problem, log_norm, step, size)
-        neighbour = _complete_selection(
-            kernels.marginals(problem.logits, k, size), logits, problem._replace(k=k)
-        )
-        ratios.append(ratio[..., None])
-        changes.append(jnp.nan_to_num(ratio[..., None] * (neighbour - mu), nan=0.0))
-    (r_minus, r_plus), (change_minus, change_plus) = ratios, changes
-    d_off = jnp.where(probs == 0, d_probs, 0.0)
-    d_on = jnp.where(probs == 1, d_probs, 0.0)
-    sum_off, sum_on = d_off.sum(-1, keepdims=True), d_on.sum(-1, keepdims=True)
-    marginals = sum_off * change_minus - sum_on * change_plus + r_minus * d_off + r_plus * d_on
     tangent = _OddsTerms(d_log_norm, marginals, d_softplus)
     return out, jax.tree_util.tree_map(lambda t: t.astype(dtype), tangent)
 

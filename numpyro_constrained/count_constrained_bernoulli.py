@@ -20,12 +20,14 @@ from numpyro.util import not_jax_tracer
 
 from constrained_ppl.arguments import check_count, check_value_shape
 from constrained_ppl.enumeration import check_support_size, k_hot_table
+from numpyro_constrained import _count_edges as edges
 from numpyro_constrained._batching import vmap_over_broadcast_leaves
 from numpyro_constrained._bernoulli_arguments import (
     LOGITS_PROBS_CONSTRAINTS,
     forced_counts,
     logits_and_probs,
 )
+from numpyro_constrained._ekb_terms import _infinite_slope
 from numpyro_constrained._repr import parameters_repr
 from numpyro_constrained.exactly_k_bernoulli import ExactlyKBernoulli
 from numpyro_constrained.validation import (
@@ -118,11 +120,15 @@ class CountConstrainedBernoulli(Distribution):
     # ELBOs must treat the site as reparameterised (not switch to score functions).
     has_rsample = True
     pytree_data_fields = ("logits", "probs", "low", "high")
+    # Whether the caller gave probs, whose exact 0s and 1s then get their one-sided
+    # derivatives (_count_edges).
+    pytree_aux_fields = ("_from_probs",)
     #: The largest support that `enumerate_support` builds (a ``ValueError`` beyond it).
     max_support = 2**16
 
     def __init__(self, logits=None, probs=None, *, low=None, high=None, validate_args=None):
         validate = self._validate_args if validate_args is None else validate_args
+        self._from_probs = probs is not None
         with jax.ensure_compile_time_eval():
             logits, probs = logits_and_probs(logits, probs, "CountConstrainedBernoulli", validate)
             n = logits.shape[-1]
@@ -199,31 +205,54 @@ class CountConstrainedBernoulli(Distribution):
         stacked = ExactlyKBernoulli(logits=logits, k=counts, k_max=k_max, validate_args=False)
         return stacked, counts, in_range, infeasible
 
-    def _log_weights(self, stacked, in_range):
+    def _edge_terms(self):
+        """Zeros carrying the one-sided derivatives at given probs of exactly 0 and 1 (see
+        ``_count_edges.range_terms``), or None from logits."""
+        if not self._from_probs:
+            return None
+        args = (self.probs, self.logits, self.low, self.high)
+        return edges.range_zeros(self._width(), *args)
+
+    def _log_weights(self, stacked, in_range, edge=None):
         """(log P(K = k | range) for the stacked counts, log P(range))."""
         log_p = jnp.where(in_range, stacked.log_constraint_prob(), -jnp.inf)
         log_range = jax.nn.logsumexp(log_p, axis=0)
+        if edge is not None:  # the normaliser's one-sided derivatives at 0s and 1s
+            log_range = log_range + edge[0]
         return log_p - log_range, log_range
 
     def log_range_prob(self) -> jax.Array:
         """``log P(low <= sum z <= high)`` under the unconstrained Bernoullis."""
         stacked, _, in_range, infeasible = self._stack()
-        return jnp.where(infeasible, -jnp.inf, self._log_weights(stacked, in_range)[1])
+        edge = self._edge_terms()
+        log_range = self._log_weights(stacked, in_range, edge)[1]
+        if edge is not None:  # the probs' own log(1 - p) and log p at the 0s and 1s
+            log_range = log_range + edge[2]
+        return jnp.where(infeasible, -jnp.inf, log_range)
 
     @property
     def count_distribution(self) -> jax.Array:
         """``P(sum z = k)`` under this distribution for k = 0..n, shape ``batch + (n + 1,)``."""
         stacked, counts, in_range, _ = self._stack()
-        weights = jnp.where(in_range, jnp.exp(self._log_weights(stacked, in_range)[0]), 0.0)
+        edge = self._edge_terms()
+        log_w = self._log_weights(stacked, in_range, edge)[0]
+        weights = jnp.where(in_range, jnp.exp(log_w), 0.0)
         n = self.logits.shape[-1]
         one_hot = jax.nn.one_hot(counts, n + 1, dtype=weights.dtype)
-        return (weights[..., None] * one_hot).sum(0)
+        table = (weights[..., None] * one_hot).sum(0)
+        return table if edge is None else table + edge[3]
 
     def _marginals(self):
         stacked, _, in_range, infeasible = self._stack()
         log_w, _ = self._log_weights(stacked, in_range)
         terms = jnp.where(in_range[..., None], jnp.exp(log_w)[..., None] * stacked.mean, 0.0)
-        return jnp.where(infeasible[..., None], jnp.nan, terms.sum(0))
+        mu = terms.sum(0)
+        edge = self._edge_terms()
+        if edge is not None:
+            # The terms carry the normaliser's share of the derivative at the 0s and 1s
+            # (the weights here do not).
+            mu = mu + edge[1]
+        return jnp.where(infeasible[..., None], jnp.nan, mu)
 
     @property
     def mean(self) -> jax.Array:
@@ -260,7 +289,7 @@ class CountConstrainedBernoulli(Distribution):
         if self._validate_args:
             warn_if_out_of_support(lambda: self.support(value))
         stacked, _, in_range, infeasible = self._stack()
-        log_w, _ = self._log_weights(stacked, in_range)
+        log_w, _ = self._log_weights(stacked, in_range, self._edge_terms())
         shape = jnp.broadcast_shapes(jnp.shape(value)[:-1], self.batch_shape)
         value = jnp.broadcast_to(value, shape + self.event_shape)
         first, last = (jnp.broadcast_to(b, shape) for b in self._range())
@@ -315,7 +344,13 @@ class CountConstrainedBernoulli(Distribution):
         terms = jnp.where(
             in_range, jnp.exp(log_w) * (stacked.entropy() - jnp.where(in_range, log_w, 0.0)), 0.0
         )
-        return jnp.where(infeasible, jnp.nan, terms.sum(0))
+        entropy = terms.sum(0)
+        if self._from_probs:  # -w log w where a 0 or 1 can move: an infinite slope
+            entropy = entropy + _infinite_slope(self.probs, self._edge_direction())
+        return jnp.where(infeasible, jnp.nan, entropy)
+
+    def _edge_direction(self):
+        return edges.range_direction(self.probs, self.logits, self.low, self.high)
 
     def enumerate_support(self, expand: bool = True) -> jax.Array:
         """Every vector of the support once (counts in increasing order, each count's vectors
@@ -359,6 +394,7 @@ class CountConstrainedBernoulli(Distribution):
         new.probs = jnp.broadcast_to(self.probs, batch_shape + self.event_shape)
         new.low = jnp.broadcast_to(self.low, batch_shape)
         new.high = jnp.broadcast_to(self.high, batch_shape)
+        new._from_probs = self._from_probs
         Distribution.__init__(new, batch_shape, self.event_shape, validate_args=False)
         new._validate_args = self._validate_args
         return new
@@ -407,8 +443,14 @@ def _kl_count_constrained(p: CountConstrainedBernoulli, q: CountConstrainedBerno
             "infinite logits"
         )
     p_log_w, _ = p._log_weights(p_stack, in_range)
-    q_log_w, _ = q._log_weights(q_stack, in_range)
+    q_log_w, _ = q._log_weights(q_stack, in_range, q._edge_terms())
     within = kl_divergence(p_stack, q_stack)
     ratio = jnp.where(in_range, p_log_w - q_log_w, 0.0)
     terms = jnp.where(in_range, jnp.exp(p_log_w) * (ratio + within), 0.0)
-    return jnp.where(p_bad | q_bad, jnp.nan, terms.sum(0))
+    kl = terms.sum(0)
+    if p._from_probs:
+        # -H(p)'s infinite slope, or +inf where q has the same infinite logit (moving p's
+        # mass onto vectors that q forbids makes the KL infinite).
+        same = jnp.where(q.logits == p.logits, -1.0, 1.0).astype(p.probs.dtype)
+        kl = kl + _infinite_slope(p.probs, -p._edge_direction() * same)
+    return jnp.where(p_bad | q_bad, jnp.nan, kl)

@@ -120,9 +120,14 @@ def kl_value(
     for p = q. Wide dtype, no gradient."""
     x, y = _tilted(p_logits, p_parts.tilt), _tilted(q_logits, q_parts.tilt)
     mu, mu_complement = (lax.stop_gradient(t).astype(x.dtype) for t in (mu, mu_complement))
-    on = jnp.maximum(y, 0.0) - jnp.maximum(x, 0.0)
-    off = jnp.maximum(-y, 0.0) - jnp.maximum(-x, 0.0)
-    terms = jnp.where(x > -jnp.inf, mu_complement * on + mu * off, 0.0)
+    x_free, y_free = x > -jnp.inf, y > -jnp.inf
+    safe_x, safe_y = jnp.where(x_free, x, 0.0), jnp.where(y_free, y, 0.0)
+    # A variable that p forces (removed from p's problem; mu 0 or 1) and q leaves free
+    # still has q's term: q's cross-entropy counts it, p's own does not.
+    q_terms = mu_complement * jnp.maximum(safe_y, 0.0) + mu * jnp.maximum(-safe_y, 0.0)
+    on = jnp.maximum(safe_y, 0.0) - jnp.maximum(safe_x, 0.0)
+    off = jnp.maximum(-safe_y, 0.0) - jnp.maximum(-safe_x, 0.0)
+    terms = jnp.where(x_free, mu_complement * on + mu * off, jnp.where(y_free, q_terms, 0.0))
     exponents = (q_parts.exponent - p_parts.exponent) * math.log(2.0)
     return terms.sum(-1) + (q_parts.log_root - p_parts.log_root) + exponents
 

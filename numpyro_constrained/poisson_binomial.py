@@ -29,6 +29,7 @@ from numpyro.distributions.distribution import Distribution
 from numpyro.distributions.kl import kl_divergence
 
 from constrained_ppl.arguments import check_value_shape
+from numpyro_constrained import _count_edges as edges
 from numpyro_constrained import exactly_k_kernels as kernels
 from numpyro_constrained._batching import vmap_over_broadcast_leaves
 from numpyro_constrained._bernoulli_arguments import (
@@ -37,6 +38,7 @@ from numpyro_constrained._bernoulli_arguments import (
     logits_and_probs,
 )
 from numpyro_constrained._compat import enable_x64
+from numpyro_constrained._ekb_terms import _infinite_slope
 from numpyro_constrained._repr import parameters_repr
 from numpyro_constrained.validation import (
     as_concrete_where_possible,
@@ -142,6 +144,13 @@ def _log_pmf_by_counts(theta: jax.Array, k: jax.Array) -> jax.Array:
     return (exact + (formula - lax.stop_gradient(formula))).astype(dtype)
 
 
+def _with_tangents(log_table, tangents):
+    """``log(P + dP)`` to first order where ``log P`` is finite: ``dP / P`` added."""
+    finite = jnp.isfinite(log_table)
+    scale = jnp.exp(lax.stop_gradient(jnp.where(finite, log_table, 0.0)))
+    return jnp.where(finite, log_table + tangents / scale, log_table)
+
+
 def _cumulative(log_p, reverse: bool = False):
     """Running log-sum-exp along the last axis (``lax`` takes no negative axes)."""
     return lax.cumlogsumexp(log_p, axis=log_p.ndim - 1, reverse=reverse)
@@ -177,9 +186,13 @@ class PoissonBinomial(Distribution):
     arg_constraints = LOGITS_PROBS_CONSTRAINTS
     has_enumerate_support = True
     pytree_data_fields = ("logits", "probs")
+    # Whether the caller gave probs, whose exact 0s and 1s then get their one-sided
+    # derivatives (_count_edges).
+    pytree_aux_fields = ("_from_probs",)
 
     def __init__(self, logits=None, probs=None, *, validate_args=None):
         validate = self._validate_args if validate_args is None else validate_args
+        self._from_probs = probs is not None
         with jax.ensure_compile_time_eval():
             self.logits, self.probs = logits_and_probs(logits, probs, "PoissonBinomial", validate)
         super().__init__(self.logits.shape[:-1], (), validate_args=validate_args)
@@ -202,14 +215,22 @@ class PoissonBinomial(Distribution):
     def mean(self) -> jax.Array:
         finite = jnp.isfinite(self.logits)
         p = jnp.where(finite, jax.nn.sigmoid(self.logits), 0.0).sum(-1)
-        return p + (self.logits == jnp.inf).sum(-1).astype(self.logits.dtype)
+        mean = p + (self.logits == jnp.inf).sum(-1).astype(self.logits.dtype)
+        if self._from_probs:  # d mean / d p_i = 1 at a 0 or 1 too
+            delta = self.probs - lax.stop_gradient(self.probs)
+            mean = mean + jnp.where(finite, 0.0, delta).sum(-1)
+        return mean
 
     @property
     def variance(self) -> jax.Array:
         # sigmoid(x) sigmoid(-x), not p (1 - p): no cancellation for p near 1.
         finite = jnp.isfinite(self.logits)
         x = jnp.where(finite, self.logits, 0.0)
-        return jnp.where(finite, jax.nn.sigmoid(x) * jax.nn.sigmoid(-x), 0.0).sum(-1)
+        variance = jnp.where(finite, jax.nn.sigmoid(x) * jax.nn.sigmoid(-x), 0.0).sum(-1)
+        if self._from_probs:  # p (1 - p) is 0 at a 0 or 1, with slope 1 - 2 p
+            edge = jnp.where(finite, 0.0, self.probs * (1 - self.probs))
+            variance = variance + edge.sum(-1)
+        return variance
 
     def log_prob(self, value) -> jax.Array:
         """``log P(K = value)``: exact to the wide dtype's precision for any count (one
@@ -232,6 +253,9 @@ class PoissonBinomial(Distribution):
         count = jnp.minimum(jnp.maximum(count, 0), num_free)
         rows = jnp.broadcast_to(theta, shape + (n,)).reshape(math.prod(shape), n)
         log_p = _log_pmf_by_counts(rows, count.reshape(-1)).reshape(shape)
+        if self._from_probs:
+            total = jnp.where(possible, value, forced_on).astype(jnp.int32)
+            log_p = log_p + edges.count_log_terms(self.probs, self.logits, total)
         return jnp.where(possible, log_p, -jnp.inf)
 
     def log_pmf(self) -> jax.Array:
@@ -252,29 +276,59 @@ class PoissonBinomial(Distribution):
         j = jnp.arange(n + 1)[None, :] - forced_on.reshape(-1, 1)
         shifted = jnp.take_along_axis(log_p, jnp.maximum(j, 0), -1)
         shifted = jnp.where(j >= 0, shifted, -jnp.inf)
-        return shifted.reshape(self.batch_shape + (n + 1,))
+        shifted = shifted.reshape(self.batch_shape + (n + 1,))
+        if self._from_probs and not is_concrete(theta):
+            counts = jnp.arange(n + 1)
+            terms = edges.count_log_terms(
+                self.probs[..., None, :], self.logits[..., None, :], counts
+            )
+            shifted = jnp.where(jnp.isfinite(shifted), shifted + terms, shifted)
+        return shifted
 
-    def _at(self, table, value, name: str) -> jax.Array:
+    def _cumulative_tables(self, reverse: bool):
+        """(log P(K <= j), or log P(K >= j) with ``reverse``; j = 0..n), carrying the
+        derivatives that the counts impossible at the point contribute (``_count_edges``)."""
+        log_pmf = self.log_pmf()
+        table = _cumulative(log_pmf, reverse=reverse)
+        if not self._from_probs:
+            return table, None
+        tangents = edges.new_count_tangents(self.probs, log_pmf)
+        if reverse:
+            tangents = jnp.flip(jnp.cumsum(jnp.flip(tangents, -1), -1), -1)
+        else:
+            tangents = jnp.cumsum(tangents, -1)
+        return table, tangents
+
+    def _at(self, table, value, name: str, below: float = -jnp.inf) -> jax.Array:
         value = jnp.asarray(value)
         check_value_shape(jnp.shape(value), self.batch_shape, (), f"PoissonBinomial.{name}")
         shape = jnp.broadcast_shapes(jnp.shape(value), self.batch_shape)
         n = self.total_count
         index = jnp.clip(jnp.floor(value), -1, n).astype(jnp.int32) + 1
-        padded = jnp.concatenate([jnp.full_like(table[..., :1], -jnp.inf), table], -1)
+        padded = jnp.concatenate([jnp.full_like(table[..., :1], below), table], -1)
         padded = jnp.broadcast_to(padded, shape + padded.shape[-1:])
         return jnp.take_along_axis(padded, jnp.broadcast_to(index, shape)[..., None], -1)[..., 0]
 
     def log_cdf(self, value) -> jax.Array:
         """``log P(K <= value)``, relatively exact in the lower tail."""
-        return self._at(_cumulative(self.log_pmf()), value, "log_cdf")
+        table, tangents = self._cumulative_tables(reverse=False)
+        if tangents is not None:
+            table = _with_tangents(table, tangents)
+        return self._at(table, value, "log_cdf")
 
     def cdf(self, value) -> jax.Array:
         """``P(K <= value)``."""
-        return jnp.exp(self.log_cdf(value))
+        table, tangents = self._cumulative_tables(reverse=False)
+        table = jnp.exp(table)
+        if tangents is not None:  # P(K <= first - 1) is 0 with a nonzero slope
+            table = table + tangents
+        return self._at(table, value, "cdf", below=0.0)
 
     def log_survival_function(self, value) -> jax.Array:
         """``log P(K > value)``, relatively exact in the upper tail."""
-        reverse = _cumulative(self.log_pmf(), reverse=True)
+        reverse, tangents = self._cumulative_tables(reverse=True)
+        if tangents is not None:
+            reverse = _with_tangents(reverse, tangents)
         table = jnp.concatenate([reverse[..., 1:], jnp.full_like(reverse[..., :1], -jnp.inf)], -1)
         result = self._at(table, value, "log_survival_function")
         return jnp.where(jnp.asarray(value) < 0, 0.0, result)
@@ -283,7 +337,10 @@ class PoissonBinomial(Distribution):
         """``-sum_k P(K = k) log P(K = k)`` from ``log_pmf``."""
         log_p = self.log_pmf()
         p = jnp.exp(log_p)
-        return -jnp.where(p > 0, p * jnp.where(p > 0, log_p, 0.0), 0.0).sum(-1)
+        entropy = -jnp.where(p > 0, p * jnp.where(p > 0, log_p, 0.0), 0.0).sum(-1)
+        if self._from_probs:  # a new count's -w log w: an infinite slope
+            entropy = entropy + _infinite_slope(self.probs, edges.unbounded(self.probs))
+        return entropy
 
     @property
     def mode(self) -> jax.Array:
@@ -314,6 +371,7 @@ class PoissonBinomial(Distribution):
         n = self.total_count
         new.logits = jnp.broadcast_to(self.logits, batch_shape + (n,))
         new.probs = jnp.broadcast_to(self.probs, batch_shape + (n,))
+        new._from_probs = self._from_probs
         Distribution.__init__(new, batch_shape, (), validate_args=False)
         new._validate_args = self._validate_args
         return new
@@ -349,4 +407,18 @@ def _kl_poisson_binomial(p: PoissonBinomial, q: PoissonBinomial) -> jax.Array:
     log_p, log_q = jnp.broadcast_arrays(pad(log_p), pad(log_q))
     mass = jnp.exp(log_p)
     safe = jnp.where(mass > 0, log_p - log_q, 0.0)
-    return jnp.where(mass > 0, mass * safe, 0.0).sum(-1)
+    kl = jnp.where(mass > 0, mass * safe, 0.0).sum(-1)
+    if p._from_probs:
+        # Moving p's 0 (1) gives mass to the count just above (below) p's range: -w log w,
+        # an infinite slope down, unless q rules that count out (the KL becomes infinite).
+        probs = p.probs
+        padded = jnp.pad(log_q, [(0, 0)] * (log_q.ndim - 1) + [(1, 2)], constant_values=-jnp.inf)
+        last = p.total_count - (probs == 0).sum(-1, keepdims=True)
+        first = (probs == 1).sum(-1, keepdims=True)
+        shape = padded.shape[:-1] + (1,)
+        q_above = jnp.take_along_axis(padded, jnp.broadcast_to(last + 2, shape), -1) > -jnp.inf
+        q_below = jnp.take_along_axis(padded, jnp.broadcast_to(first, shape), -1) > -jnp.inf
+        opens = jnp.where(probs == 0, q_above, jnp.where(probs == 1, q_below, True))
+        direction = edges.unbounded(probs) * jnp.where(opens, -1.0, 1.0).astype(probs.dtype)
+        kl = kl + _infinite_slope(probs, direction)
+    return kl

@@ -28,21 +28,20 @@ def _value_with_gradient_of(value: torch.Tensor, formula: torch.Tensor) -> torch
 
 
 class _OddsTangents(NamedTuple):
-    """First-order terms that give the derivatives in ``probs`` at exact 0 and 1, where the
-    logits are infinite and the chain rule through them would be ``0 * inf``. Every quantity
-    is a rational function of the odds ``w_i = p_i / (1 - p_i)`` near ``w_i = 0`` (and of
-    ``1 / w_i`` near ``p_i = 1``), with ``dw/dp = 1`` at ``p = 0`` and ``d(1/w)/dp = -1`` at
-    ``p = 1``: the one-sided derivatives are those of
+    """Terms that give the derivatives in ``probs`` at exact 0 and 1, where the logits are
+    infinite and the chain rule through them would be ``0 * inf``. Every quantity is a
+    rational function of the odds ``w_i = p_i / (1 - p_i)`` near ``w_i = 0`` (and of
+    ``v_i = 1 / w_i`` near ``p_i = 1``). With ``Z`` the normaliser over the free variables
+    (``k_free`` ones among them) and ``r_m = e_{k_free + m} / e_{k_free}`` (0 where the count
+    is out of range),
 
-        log Z += r_- sum_{p_i = 0} dp_i - r_+ sum_{p_i = 1} dp_i,
-        mu_j  += r_- (M_-j - mu_j) sum_{p_i = 0} dp_i - r_+ (M_+j - mu_j) sum_{p_i = 1} dp_i
-                 + (r_- [p_j = 0] + r_+ [p_j = 1]) dp_j,
+        Z_all / Z = 1 + r_-1 sum w + r_+1 sum v + r_-2 e_2(w) + r_+2 e_2(v) + sum w sum v
+                    + (terms of third order in w, v),
 
-    with ``Z`` the normaliser over the free variables (``k_free`` ones among them),
-    ``r_- = e_{k_free - 1} / e_{k_free}`` and ``M_-`` the marginals with one fewer one,
-    ``r_+ = e_{k_free + 1} / e_{k_free}`` and ``M_+`` with one more (0 where the count is
-    out of range). The fields are zero-valued tensors carrying these derivatives (their
-    coefficients held to the dtype's finite range, so that a value is never ``0 * inf``)."""
+    and the marginals are the derivatives of ``log`` of that sum (see ``odds_tangents``,
+    which builds them): values 0 at the point, first and second derivatives the one-sided
+    ones. The fields are zero-valued tensors carrying these derivatives (their coefficients
+    held to the dtype's finite range, so that a value is never ``0 * inf``)."""
 
     log_normalizer: torch.Tensor
     marginals: torch.Tensor
@@ -54,6 +53,51 @@ class _OddsTangents(NamedTuple):
     # given as the dtype's largest finite number (see _infinite_slope).
     unbounded: torch.Tensor
     probs: torch.Tensor
+
+
+def odds_tangents(probs, ratios, neighbours, mu, infeasible) -> _OddsTangents:
+    """The ``_OddsTangents`` of a normaliser over the free variables whose neighbours, one
+    or two more ones among the variables at ``probs`` of exactly 0 (or fewer at 1), have
+    the ratios ``ratios[step]`` (shape ``batch``; ``step`` the change of the free
+    variables' count: -1 and -2 for one and two variables at 0 switched on, +1 and +2 for
+    variables at 1 switched off; 0 where impossible, at most the dtype's largest number)
+    and the marginals ``neighbours[step]``; ``mu`` the marginals at the point.
+    ``ExactlyKBernoulli`` (one count: ``e_{k + step} / e_k``) and
+    ``CountConstrainedBernoulli`` (a range of counts: the range's sums shifted by ``step``)
+    share it. With the odds ``w`` (at 0s) and ``v = 1 / w`` (at 1s) as real functions of
+    the probs, ``Z_all / Z = 1 + ratio`` to second order, and the marginals are its
+    derivatives: ``mu_j += d ratio / d theta_j / (1 + ratio)`` for a free j (``d r_s /
+    d theta_j = r_s (M_s,j - mu_j)``), ``w_i d log(1 + ratio) / d w_i`` at a 0 and ``1 -
+    v_i d log(1 + ratio) / d v_i`` at a 1: values, first and second derivatives (Hessians
+    in the probs) are the one-sided ones."""
+    off, on = probs == 0, probs == 1
+    largest = torch.finfo(probs.dtype).max
+    direction = torch.where(off & (ratios[-1][..., None] > 0), 1.0, 0.0)
+    direction = torch.where(on & (ratios[1][..., None] > 0), -1.0, direction).to(probs.dtype)
+    # The odds as real functions of the probs (0 at the point).
+    at_zero = torch.where(off, probs, 0.0)
+    at_one = torch.where(on, probs, 1.0)
+    w, v = at_zero / (1 - at_zero), (1 - at_one) / at_one
+    sum_w, sum_v = w.sum(-1), v.sum(-1)
+    pairs_w = (sum_w**2 - (w**2).sum(-1)) / 2
+    pairs_v = (sum_v**2 - (v**2).sum(-1)) / 2
+    coefficients = {-1: sum_w, 1: sum_v, -2: pairs_w, 2: pairs_v}
+    ratio = sum(ratios[step] * coefficients[step] for step in coefficients)
+    ratio = torch.where(infeasible, 0.0, ratio + sum_w * sum_v)
+    scale = (1 + ratio)[..., None]
+    change = sum(
+        coefficients[step][..., None]
+        * torch.nan_to_num(
+            ratios[step][..., None] * (neighbours[step] - mu), 0.0, largest, -largest
+        )
+        for step in coefficients
+    )
+    r = {step: ratios[step][..., None] for step in coefficients}
+    at_off = w * (r[-1] + r[-2] * (sum_w[..., None] - w) + sum_v[..., None])
+    at_on = -v * (r[1] + r[2] * (sum_v[..., None] - v) + sum_w[..., None])
+    marginals = torch.where(off, at_off, torch.where(on, at_on, change)) / scale
+    softplus = (torch.log1p(-at_zero) + torch.log(at_one)).sum(-1)
+    return _OddsTangents(torch.log1p(ratio), marginals, softplus, direction, probs)
 
 
 def _infinite_slope(probs: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:

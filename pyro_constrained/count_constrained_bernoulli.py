@@ -19,11 +19,13 @@ from torch.distributions.utils import lazy_property
 
 from constrained_ppl.arguments import check_count, check_value_shape
 from constrained_ppl.enumeration import check_support_size, k_hot_table
+from pyro_constrained import _count_edges as edges
 from pyro_constrained._bernoulli_arguments import (
     LOGITS_PROBS_CONSTRAINTS,
     forced_counts,
     logits_argument,
 )
+from pyro_constrained._ekb_terms import _infinite_slope
 from pyro_constrained._repr import parameters_repr
 from pyro_constrained.exactly_k_bernoulli import ExactlyKBernoulli
 
@@ -200,8 +202,23 @@ class CountConstrainedBernoulli(TorchDistribution):
         return torch.where(in_range, log_p, torch.full_like(log_p, -torch.inf))
 
     @lazy_property
+    def _edge_tangents(self):
+        """(``_OddsTangents`` of the range's normaliser, the count table's extra tangents)
+        where given probs hold an exact 0 or 1 and require grad (``_count_edges``), else
+        None: the one-sided derivatives there."""
+        probs = edges.edge_probs(self.__dict__.get("probs"), self.logits)
+        if probs is None:
+            return None
+        return edges.range_tangents(probs, self.logits, self.low, self.high)
+
+    @lazy_property
     def _log_range_prob(self) -> torch.Tensor:
-        return torch.logsumexp(self._count_log_probs, 0)
+        """``log P(range)`` less the probs' own ``log(1 - p)`` at 0s and ``log p`` at 1s
+        (which every count's probability shares)."""
+        log_range = torch.logsumexp(self._count_log_probs, 0)
+        if self._edge_tangents is not None:
+            log_range = log_range + self._edge_tangents[0].log_normalizer
+        return log_range
 
     @lazy_property
     def _count_weights(self) -> torch.Tensor:
@@ -211,7 +228,10 @@ class CountConstrainedBernoulli(TorchDistribution):
     def log_range_prob(self) -> torch.Tensor:
         """``log P(low <= sum z <= high)`` under the unconstrained Bernoullis (the
         Poisson-binomial probability of the range); ``-inf`` where it is impossible."""
-        return torch.where(self._infeasible, -torch.inf, self._log_range_prob)
+        log_range = self._log_range_prob
+        if self._edge_tangents is not None:
+            log_range = log_range + self._edge_tangents[0].softplus
+        return torch.where(self._infeasible, -torch.inf, log_range)
 
     @property
     def count_distribution(self) -> torch.Tensor:
@@ -220,14 +240,25 @@ class CountConstrainedBernoulli(TorchDistribution):
         n = self.logits.shape[-1]
         weights = torch.where(in_range, self._count_weights, 0.0)
         table = weights.new_zeros(self.batch_shape + (n + 1,))
-        return table.scatter_add(-1, counts.movedim(0, -1), weights.movedim(0, -1))
+        table = table.scatter_add(-1, counts.movedim(0, -1), weights.movedim(0, -1))
+        if self._edge_tangents is not None:
+            table = table + self._edge_tangents[1]
+        return table
 
     @lazy_property
     def _marginal_probs(self) -> torch.Tensor:
         _, in_range = self._counts
         mu = self._stacked.mean
-        terms = torch.where(in_range[..., None], self._count_weights[..., None] * mu, 0.0)
+        weights = self._count_weights
+        if self._edge_tangents is not None:
+            # The tangents' marginals carry the normaliser's share of the derivative at the
+            # 0s and 1s: the weights here must not carry it too.
+            log_range = torch.logsumexp(self._count_log_probs, 0)
+            weights = torch.exp(self._count_log_probs - log_range)
+        terms = torch.where(in_range[..., None], weights[..., None] * mu, 0.0)
         mu = terms.sum(0)
+        if self._edge_tangents is not None:
+            mu = mu + self._edge_tangents[0].marginals
         return torch.where(self._infeasible[..., None], torch.nan, mu)
 
     @property
@@ -322,7 +353,11 @@ class CountConstrainedBernoulli(TorchDistribution):
         w = self._count_weights
         log_w = self._count_log_probs - self._log_range_prob
         terms = torch.where(in_range, w * (self._stacked.entropy() - log_w), 0.0)
-        return torch.where(self._infeasible, torch.nan, terms.sum(0))
+        entropy = terms.sum(0)
+        if self._edge_tangents is not None:  # -w log w where a 0 or 1 can move
+            tangents = self._edge_tangents[0]
+            entropy = entropy + _infinite_slope(tangents.probs, tangents.unbounded)
+        return torch.where(self._infeasible, torch.nan, entropy)
 
     def enumerate_support(self, expand: bool = True) -> torch.Tensor:
         """Every vector of the support once, the counts in increasing order and each count's
@@ -410,4 +445,11 @@ def _kl_count_constrained(p: CountConstrainedBernoulli, q: CountConstrainedBerno
     log_ratio = (p._count_log_probs - p._log_range_prob) - (q._count_log_probs - q._log_range_prob)
     within = kl_divergence(p._stacked, q._stacked)
     terms = torch.where(in_range, w * (log_ratio + within), 0.0)
-    return torch.where(p._infeasible | q._infeasible, torch.nan, terms.sum(0))
+    kl = terms.sum(0)
+    if p._edge_tangents is not None:
+        # -H(p)'s infinite slope, or +inf where q has the same infinite logit (moving p's
+        # mass onto vectors that q forbids makes the KL infinite).
+        tangents = p._edge_tangents[0]
+        same = torch.where(q.logits == p.logits, -1.0, 1.0).to(p.logits.dtype)
+        kl = kl + _infinite_slope(tangents.probs, -tangents.unbounded * same)
+    return torch.where(p._infeasible | q._infeasible, torch.nan, kl)

@@ -26,6 +26,7 @@ from constrained_ppl.arguments import (
 )
 from constrained_ppl.enumeration import check_support_size, k_hot_table, single_count
 from pyro_constrained import exactly_k_kernels as kernels
+from pyro_constrained._autograd import is_differentiated
 from pyro_constrained._ekb_arguments import (
     VMAP_OVER_PARAMETERS,
     VMAP_OVER_VALUES,
@@ -42,6 +43,7 @@ from pyro_constrained._ekb_terms import (
     _OddsTangents,
     _softplus,
     _value_with_gradient_of,
+    odds_tangents,
 )
 from pyro_constrained._ekb_terms import _kl_exactly_k_bernoulli as _kl
 from pyro_constrained._repr import parameters_repr
@@ -289,9 +291,10 @@ class ExactlyKBernoulli(TorchDistribution):
     @lazy_property
     def _odds_tangents(self) -> _OddsTangents | None:
         """The derivatives in ``probs`` at exact 0 and 1 (see ``_OddsTangents``); None unless
-        the distribution was built from ``probs`` that require grad and hold a 0 or a 1."""
+        the distribution was built from ``probs`` that are differentiated (in either mode)
+        and hold a 0 or a 1."""
         probs = self.__dict__.get("probs")
-        if not self._from_probs or probs is None or not probs.requires_grad:
+        if not self._from_probs or probs is None or not is_differentiated(probs):
             return None
         off, on = probs == 0, probs == 1
         # Under torch.jit.trace the tangents are always built (zero where no prob is 0 or 1):
@@ -302,35 +305,14 @@ class ExactlyKBernoulli(TorchDistribution):
         # mixed second derivatives with an interior prob are right. Tables with room for
         # k_free + 2 ones: the second-order terms' coefficients.
         size = min(self._table_size + 2, self.event_shape[0])
-        r, neighbours = {}, []
+        r, neighbours = {}, {}
         for step in (-2, -1, 1, 2):
             r[step], k = self._count_ratio(step, size)
-            if abs(step) == 1:
-                free = kernels.marginals(self._kernel_logits, k, size) if size else None
-                free = torch.zeros_like(self.logits) if free is None else free
-                neighbours.append(self._complete(free, 1.0, 0.0, 0.0, k_free=k))
-        largest = torch.finfo(self.logits.dtype).max
-        r_minus, r_plus = r[-1][..., None], r[1][..., None]
+            free = kernels.marginals(self._kernel_logits, k, size) if size else None
+            free = torch.zeros_like(self.logits) if free is None else free
+            neighbours[step] = self._complete(free, 1.0, 0.0, 0.0, k_free=k)
         mu = self._free_marginal_pair[0]
-        d_off = torch.where(off, probs - probs.detach(), 0.0)
-        d_on = torch.where(on, probs - probs.detach(), 0.0)
-        sum_off, sum_on = d_off.sum(-1, keepdim=True), d_on.sum(-1, keepdim=True)
-        change_minus = torch.nan_to_num((r_minus * (neighbours[0] - mu)), 0.0, largest, -largest)
-        change_plus = torch.nan_to_num((r_plus * (neighbours[1] - mu)), 0.0, largest, -largest)
-        marginals = sum_off * change_minus - sum_on * change_plus + r_minus * d_off + r_plus * d_on
-        direction = torch.where(off & (r_minus > 0), 1.0, 0.0)
-        direction = torch.where(on & (r_plus > 0), -1.0, direction).to(self.logits.dtype)
-        # The odds as real functions of the probs (0 at the point): second derivatives too.
-        at_zero = torch.where(off, probs, 0.0)
-        at_one = torch.where(on, probs, 1.0)
-        w, v = at_zero / (1 - at_zero), (1 - at_one) / at_one
-        sum_w, sum_v = w.sum(-1), v.sum(-1)
-        pairs_w = (sum_w**2 - (w**2).sum(-1)) / 2
-        pairs_v = (sum_v**2 - (v**2).sum(-1)) / 2
-        ratio = r[-1] * sum_w + r[1] * sum_v + r[-2] * pairs_w + r[2] * pairs_v + sum_w * sum_v
-        ratio = torch.where(self._infeasible, 0.0, ratio)
-        softplus = (torch.log1p(-at_zero) + torch.log(at_one)).sum(-1)
-        return _OddsTangents(torch.log1p(ratio), marginals, softplus, direction, probs)
+        return odds_tangents(probs, r, neighbours, mu, self._infeasible)
 
     def _count_ratio(self, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``e_{k_free + step} / e_{k_free}`` over the free variables (0 where that count is

@@ -38,6 +38,7 @@ Python branches read only sizes (n, k_max, the batch size), never values, so
 import functools
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -108,20 +109,23 @@ _INDEX_CACHE_SIZE = 512
 
 
 def _window_index(rows: int, columns: int, sign: int, offset: int, device) -> torch.Tensor:
-    """``offset + arange(rows)[:, None] + sign * arange(columns)``, cached outside traced
-    and compiled code (a trace must build its own: it cannot use a tensor made outside it
-    inside an autograd.Function's forward)."""
-    key = (rows, columns, sign, offset, device)
-    static = _static_control_flow()
-    index = None if static else _INDEX_CACHE.get(key)
+    """``offset + arange(rows)[:, None] + sign * arange(columns)``, shape (rows, columns).
+    The cache holds NumPy arrays, made into tensors at each call by ``torch.from_numpy``
+    (no operator call): a cached tensor made inside a ``torch.func`` transform would belong
+    to that transform's level and could not be used at another. Traced and compiled code
+    builds its own (a trace records operators, not a NumPy constant)."""
+    if _static_control_flow():  # traced or compiled: operators the program records
+        return torch.arange(rows, device=device)[:, None] + (
+            sign * torch.arange(columns, device=device) + offset
+        )
+    key = (rows, columns, sign, offset)
+    index = _INDEX_CACHE.get(key)
     if index is None:
-        index = torch.arange(rows)[:, None] + sign * torch.arange(columns) + offset
-        index = index.to(device)
-        if not static:
-            if len(_INDEX_CACHE) >= _INDEX_CACHE_SIZE:  # a bound on its memory
-                _INDEX_CACHE.clear()
-            _INDEX_CACHE[key] = index
-    return index
+        index = np.arange(rows)[:, None] + sign * np.arange(columns) + offset
+        if len(_INDEX_CACHE) >= _INDEX_CACHE_SIZE:  # a bound on its memory
+            _INDEX_CACHE.clear()
+        _INDEX_CACHE[key] = index
+    return torch.from_numpy(index).to(device)
 
 
 def _convolve_terms(left, right, out_width: int, pad_value=-_INF) -> torch.Tensor:

@@ -32,12 +32,15 @@ from torch.distributions.kl import register_kl
 from torch.distributions.utils import lazy_property
 
 from constrained_ppl.arguments import check_value_shape
+from pyro_constrained import _count_edges as edges
 from pyro_constrained import exactly_k_kernels as kernels
+from pyro_constrained._autograd import is_differentiated
 from pyro_constrained._bernoulli_arguments import (
     LOGITS_PROBS_CONSTRAINTS,
     forced_counts,
     logits_argument,
 )
+from pyro_constrained._ekb_terms import _infinite_slope
 from pyro_constrained._repr import parameters_repr
 from pyro_constrained.exactly_k_bernoulli import _softplus
 
@@ -168,6 +171,13 @@ def log_pmf_by_counts(theta: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return out.to(dtype)
 
 
+def _with_tangents(log_table: torch.Tensor, tangents: torch.Tensor) -> torch.Tensor:
+    """``log(P + dP)`` to first order where ``log P`` is finite: ``dP / P`` added."""
+    finite = torch.isfinite(log_table)
+    scale = torch.where(finite, log_table, 0.0).detach().exp()
+    return torch.where(finite, log_table + tangents / scale, log_table)
+
+
 class PoissonBinomial(TorchDistribution):
     r"""The number of ones ``K = sum_i z_i`` among independent ``z_i ~
     Bernoulli(sigmoid(logits_i))``: the Poisson-binomial distribution,
@@ -220,6 +230,8 @@ class PoissonBinomial(TorchDistribution):
         self.logits, given_probs = logits_argument(logits, probs, "PoissonBinomial")
         if given_probs is not None:
             self.probs = given_probs
+        # Exact 0s and 1s of given probs get their one-sided derivatives (_count_edges).
+        self._from_probs = given_probs is not None
         super().__init__(self.logits.shape[:-1], torch.Size(), validate_args=validate_args)
 
     @property
@@ -249,15 +261,32 @@ class PoissonBinomial(TorchDistribution):
         return torch.isfinite(self.logits).sum(-1)
 
     @property
+    def _edge_probs(self) -> torch.Tensor | None:
+        """The given probs where their exact 0s and 1s need one-sided derivatives."""
+        given = self.probs if self._from_probs else None
+        return edges.edge_probs(given, self.logits)
+
+    @property
     def mean(self) -> torch.Tensor:
         p = torch.where(torch.isfinite(self.logits), torch.sigmoid(self.logits), 0.0)
-        return p.sum(-1) + self._forced_on.to(self.logits.dtype)
+        mean = p.sum(-1) + self._forced_on.to(self.logits.dtype)
+        probs = self._edge_probs
+        if probs is not None:  # d mean / d p_i = 1 at a 0 or 1 too
+            mean = mean + torch.where(torch.isfinite(self.logits), 0.0, probs - probs.detach()).sum(
+                -1
+            )
+        return mean
 
     @property
     def variance(self) -> torch.Tensor:
         # sigmoid(x) sigmoid(-x), not p (1 - p): no cancellation for p near 1.
         on, off = torch.sigmoid(self.logits), torch.sigmoid(-self.logits)
-        return torch.where(torch.isfinite(self.logits), on * off, 0.0).sum(-1)
+        variance = torch.where(torch.isfinite(self.logits), on * off, 0.0).sum(-1)
+        probs = self._edge_probs
+        if probs is not None:  # p (1 - p) is 0 at a 0 or 1, with slope 1 - 2 p
+            edge = torch.where(torch.isfinite(self.logits), 0.0, probs * (1 - probs))
+            variance = variance + edge.sum(-1)
+        return variance
 
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
         """``log P(K = value)``: exact to the working precision for any count (one tilted
@@ -276,6 +305,10 @@ class PoissonBinomial(TorchDistribution):
         count = torch.minimum(count.clamp(min=0), self._num_free.expand(shape))
         theta = self._kernel_logits.expand(shape + (n,)).reshape(shape.numel(), n)
         log_p = log_pmf_by_counts(theta, count.reshape(-1)).reshape(shape)
+        probs = self._edge_probs
+        if probs is not None:
+            total = torch.where(possible, value, self._forced_on).long()
+            log_p = log_p + edges.count_log_terms(probs, total)
         return torch.where(possible, log_p, torch.full_like(log_p, -torch.inf))
 
     def log_pmf(self) -> torch.Tensor:
@@ -284,7 +317,7 @@ class PoissonBinomial(TorchDistribution):
         n = self.total_count
         rows = self.batch_shape.numel()
         theta = self._kernel_logits.reshape(rows, n)
-        if torch.is_grad_enabled() and self.logits.requires_grad:
+        if is_differentiated(self.logits):
             j = torch.arange(n + 1).expand(rows, n + 1)
             free = self._num_free.reshape(-1, 1)
             theta_rows = theta.repeat_interleave(n + 1, dim=0)
@@ -298,12 +331,36 @@ class PoissonBinomial(TorchDistribution):
         j = torch.arange(n + 1)[None, :] - shift
         shifted = log_p.gather(-1, j.clamp(min=0))
         shifted = torch.where(j >= 0, shifted, torch.full_like(shifted, -torch.inf))
-        return shifted.reshape(self.batch_shape + (n + 1,))
+        shifted = shifted.reshape(self.batch_shape + (n + 1,))
+        probs = self._edge_probs
+        if probs is not None:
+            counts = torch.arange(n + 1, device=probs.device)
+            terms = edges.count_log_terms(probs[..., None, :], counts)
+            shifted = torch.where(torch.isfinite(shifted), shifted + terms, shifted)
+        return shifted
+
+    def _cumulative_tangents(self, log_pmf: torch.Tensor, reverse: bool) -> torch.Tensor | None:
+        """Zeros carrying the derivatives of ``P(K <= j)`` (``P(K >= j)`` with ``reverse``)
+        that the counts impossible at the point contribute (``_count_edges``)."""
+        probs = self._edge_probs
+        if probs is None:
+            return None
+        tangents = edges.new_count_tangents(probs, log_pmf)
+        if reverse:
+            return tangents.flip(-1).cumsum(-1).flip(-1)
+        return tangents.cumsum(-1)
 
     def _log_cdf_table(self) -> torch.Tensor:
-        return torch.logcumsumexp(self.log_pmf(), -1)
+        log_pmf = self.log_pmf()
+        table = torch.logcumsumexp(log_pmf, -1)
+        tangents = self._cumulative_tangents(log_pmf, reverse=False)
+        if tangents is not None:
+            table = _with_tangents(table, tangents)
+        return table
 
-    def _at(self, table: torch.Tensor, value: torch.Tensor, name: str) -> torch.Tensor:
+    def _at(
+        self, table: torch.Tensor, value: torch.Tensor, name: str, below: float = -math.inf
+    ) -> torch.Tensor:
         """``table[..., floor(value)]`` broadcast over the value's sample dimensions (counts
         below 0 read ``below``, above n the last entry); ``table`` holds the counts 0..n."""
         value = torch.as_tensor(value, device=self.logits.device, dtype=self.logits.dtype)
@@ -313,7 +370,7 @@ class PoissonBinomial(TorchDistribution):
         shape = torch.broadcast_shapes(value.shape, self.batch_shape)
         n = self.total_count
         index = torch.floor(value).clamp(min=-1, max=n).long() + 1
-        padded = torch.cat([torch.full_like(table[..., :1], -torch.inf), table], -1)
+        padded = torch.cat([torch.full_like(table[..., :1], below), table], -1)
         padded = padded.expand(shape + padded.shape[-1:])
         return padded.gather(-1, index.expand(shape)[..., None])[..., 0]
 
@@ -323,11 +380,20 @@ class PoissonBinomial(TorchDistribution):
 
     def cdf(self, value: torch.Tensor) -> torch.Tensor:
         """``P(K <= value)``."""
-        return torch.exp(self.log_cdf(value))
+        log_pmf = self.log_pmf()
+        table = torch.logcumsumexp(log_pmf, -1).exp()
+        tangents = self._cumulative_tangents(log_pmf, reverse=False)
+        if tangents is not None:  # P(K <= first - 1) is 0 with a nonzero slope
+            table = table + tangents
+        return self._at(table, value, "cdf", below=0.0)
 
     def log_survival_function(self, value: torch.Tensor) -> torch.Tensor:
         """``log P(K > value)``, relatively exact in the upper tail."""
-        reverse = torch.logcumsumexp(self.log_pmf().flip(-1), -1).flip(-1)
+        log_pmf = self.log_pmf()
+        reverse = torch.logcumsumexp(log_pmf.flip(-1), -1).flip(-1)
+        tangents = self._cumulative_tangents(log_pmf, reverse=True)
+        if tangents is not None:
+            reverse = _with_tangents(reverse, tangents)
         # P(K > j) = P(K >= j + 1): shift left by one, P(K > n) = 0.
         table = torch.cat([reverse[..., 1:], torch.full_like(reverse[..., :1], -torch.inf)], -1)
         value = torch.as_tensor(value, device=self.logits.device, dtype=self.logits.dtype)
@@ -339,7 +405,11 @@ class PoissonBinomial(TorchDistribution):
         """``-sum_k P(K = k) log P(K = k)`` from ``log_pmf``."""
         log_p = self.log_pmf()
         p = torch.exp(log_p)
-        return -torch.where(p > 0, p * log_p, 0.0).sum(-1)
+        entropy = -torch.where(p > 0, p * log_p, 0.0).sum(-1)
+        probs = self._edge_probs
+        if probs is not None:  # a new count's -w log w: an infinite slope
+            entropy = entropy + _infinite_slope(probs, edges.unbounded(probs))
+        return entropy
 
     @property
     def mode(self) -> torch.Tensor:
@@ -368,6 +438,7 @@ class PoissonBinomial(TorchDistribution):
         new.logits = self.logits.expand(batch_shape + self.logits.shape[-1:])
         if "probs" in self.__dict__:
             new.probs = self.probs.expand(batch_shape + self.logits.shape[-1:])
+        new._from_probs = self._from_probs
         super(PoissonBinomial, new).__init__(batch_shape, torch.Size(), validate_args=False)
         new._validate_args = self._validate_args
         return new
@@ -394,4 +465,21 @@ def _kl_poisson_binomial(p: PoissonBinomial, q: PoissonBinomial) -> torch.Tensor
     log_p, log_q = torch.broadcast_tensors(log_p, log_q)
     mass = torch.exp(log_p)
     terms = torch.where(mass > 0, mass * (log_p - log_q), 0.0)
-    return terms.sum(-1)
+    kl = terms.sum(-1)
+    probs = p._edge_probs
+    if probs is not None:
+        # Moving p's 0 (1) gives mass to the count just above (below) p's range: -w log w,
+        # an infinite slope down, unless q rules that count out (the KL becomes infinite).
+        n = p.total_count
+        last = (n - (probs == 0).sum(-1, keepdim=True)) + 1
+        first = (probs == 1).sum(-1, keepdim=True) - 1
+        shape = log_q.shape[:-1] + (1,)
+        padded = torch.cat(
+            [log_q.new_full(shape, -math.inf), log_q, log_q.new_full(shape, -math.inf)], -1
+        )
+        q_above = padded.gather(-1, (last + 1).expand(shape)) > -math.inf
+        q_below = padded.gather(-1, (first + 1).expand(shape)) > -math.inf
+        opens = torch.where(probs == 0, q_above, torch.where(probs == 1, q_below, True))
+        direction = edges.unbounded(probs) * torch.where(opens, -1.0, 1.0).to(probs.dtype)
+        kl = kl + _infinite_slope(probs, direction)
+    return kl

@@ -208,6 +208,7 @@ USER_CONFIG_MODULES = {
     "test_conditioned_poisson_numpyro",
     "test_conditioned_poisson_properties",
     "test_conformance_numpyro",
+    "test_count_edge_gradients",
     "test_exactly_k_bernoulli_agreement",
     "test_exactly_k_bernoulli_numpyro",
     "test_exactly_k_kernels",

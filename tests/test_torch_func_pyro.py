@@ -185,16 +185,40 @@ def test_conditioned_poisson_log_prob_derivative_in_the_value_under_torch_func()
     torch.testing.assert_close(second, -torch.special.polygamma(1, values + 1), rtol=1e-12, atol=0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="PoissonBinomial.log_pmf takes its no-gradient windows path where "
-    "logits.requires_grad is False, which it is under forward mode (jacfwd, torch.func.jvp): "
-    "the derivative comes out 0. torch.autograd.forward_ad.unpack_dual(logits).tangent is "
-    "not None detects forward mode (public API); remove this marker with that fix.",
-)
 def test_poisson_binomial_entropy_under_jacfwd():
+    # log_pmf's no-gradient windows path was chosen by logits.requires_grad, False for a
+    # forward-mode input: jacfwd was a silent 0.
     f = lambda x: PoissonBinomial(logits=x).entropy()  # noqa: E731
     torch.testing.assert_close(jacfwd(f)(LOGITS), jacrev(f)(LOGITS), rtol=1e-11, atol=1e-13)
+
+
+EDGE_PROBS = torch.tensor([0.0, 0.3, 0.6, 1.0, 0.5, 0.2], dtype=F64)
+EDGE_CASES = [
+    (
+        "ekb",
+        lambda p: ExactlyKBernoulli(probs=p, k=2, validate_args=False),
+        K_HOT[1:] * 0 + torch.tensor([0.0, 1, 0, 1, 0, 0], dtype=F64),
+    ),
+    ("pb", lambda p: PoissonBinomial(probs=p, validate_args=False), COUNTS),
+    (
+        "ccb",
+        lambda p: CountConstrainedBernoulli(probs=p, low=1, high=3, validate_args=False),
+        torch.tensor([[0.0, 1, 0, 1, 0, 0], [0.0, 0, 1, 1, 0, 0]], dtype=F64),
+    ),
+]
+
+
+@pytest.mark.parametrize("name,make,values", EDGE_CASES, ids=[c[0] for c in EDGE_CASES])
+def test_forward_mode_gets_the_one_sided_derivatives_at_probs_zero_and_one(name, make, values):
+    """The one-sided terms at probs of exactly 0 and 1 are built only for differentiated
+    probs; asked as ``probs.requires_grad``, forward mode (never requiring grad) skipped
+    them and ``jacfwd`` gave 0 where ``jacrev`` gave the one-sided derivative."""
+    weights = torch.linspace(0.5, 1.5, 6, dtype=F64)  # the mean of ExactlyKBernoulli sums to k
+    for quantity in (lambda d: d.log_prob(values).sum(), lambda d: (d.mean * weights).sum()):
+        f = lambda p, quantity=quantity: quantity(make(p))  # noqa: E731
+        reverse = jacrev(f)(EDGE_PROBS)
+        assert reverse[[0, 3]].abs().max() > 1e-3  # a one-sided derivative to miss
+        torch.testing.assert_close(jacfwd(f)(EDGE_PROBS), reverse, rtol=1e-9, atol=1e-12)
 
 
 LCN_PARAMETERS = {
