@@ -98,6 +98,11 @@ def pytest_cmdline_main(config):
         and config.option.numprocesses is None
     ):
         config.option.numprocesses = "auto"
+        # Work stealing: the workers start on contiguous halves of the test list (each keeps
+        # its modules' compiled JAX programs) and an idle one takes from the other's tail,
+        # instead of xdist's default round-robin chunks, which split every module.
+        if getattr(config.option, "dist", "no") in ("no", "load"):
+            config.option.dist = "worksteal"
 
 
 # Process-wide settings that a test may change only for itself. Each test runs in a worker

@@ -116,7 +116,7 @@ def _library_gradients(framework, dtype, build, outputs, p, q):
 
 
 def _light(framework: str, dtype: str) -> bool:
-    """JAX in float32 (run twice, x64 on and off) checks a subset of the outputs: each
+    """JAX in float32 (run with x64 off only: ``user_config_only``) checks a subset of the outputs: each
     method traces the kernels and their odds terms anew, about 10 s of compilation apiece;
     float64 checks them all."""
     return framework == "jax" and dtype == "float32"
@@ -138,6 +138,7 @@ def _array(module, x, like):
     return torch.tensor(x, dtype=like.dtype) if module is torch else jnp.asarray(x, like.dtype)
 
 
+@pytest.mark.user_config_only
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_poisson_binomial_one_sided_derivatives(framework, dtype):
@@ -218,6 +219,7 @@ def test_poisson_binomial_one_sided_derivatives(framework, dtype):
         _check(name, gradient, reference(name), dtype, infinite)
 
 
+@pytest.mark.user_config_only
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_count_constrained_bernoulli_one_sided_derivatives(framework, dtype):
