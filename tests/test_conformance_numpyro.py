@@ -294,8 +294,13 @@ def call_every_method(d, value=None):
 # --- shapes ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", params_for("test_dist_shape"))
-@pytest.mark.parametrize("prepend_shape", [(), (2,)])
+# Every setting with a sample shape; the representative subset without one too (each new
+# sample shape compiles every eager operation again).
+@pytest.mark.parametrize(
+    "case, prepend_shape",
+    [pytest.param(case, (2,), id=f"(2,)-{case.id}") for case in ALL_CASES]
+    + [pytest.param(case, (), id=f"()-{case.id}") for case in CORE_CASES],
+)
 def test_dist_shape(case, prepend_shape):
     d = build(case)
     assert d.batch_shape == case.batch_shape

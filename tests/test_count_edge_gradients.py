@@ -116,9 +116,9 @@ def _library_gradients(framework, dtype, build, outputs, p, q):
 
 
 def _light(framework: str, dtype: str) -> bool:
-    """JAX in float32 (run with x64 off only: ``user_config_only``) checks a subset of the outputs: each
-    method traces the kernels and their odds terms anew, about 10 s of compilation apiece;
-    float64 checks them all."""
+    """JAX in float32 (run with x64 off only: ``user_config_only``) checks a subset of the
+    outputs: each method traces the kernels and their odds terms anew, about 10 s of
+    compilation apiece; float64 checks them all."""
     return framework == "jax" and dtype == "float32"
 
 
