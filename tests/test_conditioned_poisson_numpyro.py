@@ -748,22 +748,12 @@ def test_repr_names_each_parameter_by_value_or_shape():
     assert repr(ConditionedPoisson(rate[0], k=7.0)) == "ConditionedPoisson(rate: (4,), k: 7)"
 
 
-MODE_CASES = [
-    ([1.0, 1.0, 1.0], [4, 0, 1, 2, 5]),  # all tied
-    ([0.3, 0.3, 1.7, 1.7, 1.7], [6, 7, 3]),  # ties within two blocks
-    ([2.0, 1.0], [2, 3, 5]),  # exact ties between different rates (2/2 = 1/1)
-    ([0.0, 1.0, 2.0, 0.0], [5, 0, 3]),  # zero rates (validation off)
-    ([1e-300, 1.0, 1e300], [4]),  # a rate that vanishes beside another
-    ([5.0], [0, 3]),  # one category
-    ([0.05, 0.9, 0.05, 2.2], [9, 1]),
-]
-
-
 def test_mode_is_a_brute_force_mode_with_ties_to_the_lower_index():
     # Every case in one batch (one set of dispatched ops), padded with zero rates, which
     # take no unit.
-    rate = np.concatenate([np.tile(np.pad(r, (0, 5 - len(r))), (len(k), 1)) for r, k in MODE_CASES])
-    k = np.concatenate([k for _, k in MODE_CASES])
+    cases = oracle.MODE_CASES
+    rate = np.concatenate([np.tile(np.pad(r, (0, 5 - len(r))), (len(k), 1)) for r, k in cases])
+    k = np.concatenate([k for _, k in cases])
     d = ConditionedPoisson(jnp.asarray(rate), k=jnp.asarray(k), validate_args=False)
     mode = np.asarray(d.mode)
     np.testing.assert_array_equal(mode.sum(-1), k)

@@ -699,18 +699,7 @@ def test_repr_names_each_parameter_by_value_or_shape():
 # mode (vectorised: a lower bound plus the remaining units of largest gain, by one sort) ----
 
 
-@pytest.mark.parametrize(
-    "rate,k",
-    [
-        ([1.0, 1.0, 1.0], [4, 0, 1, 2, 5]),  # all tied
-        ([0.3, 0.3, 1.7, 1.7, 1.7], [6, 7, 3]),  # ties within two blocks
-        ([2.0, 1.0], [2, 3, 5]),  # exact ties between different rates (2/2 = 1/1)
-        ([0.0, 1.0, 2.0, 0.0], [5, 0, 3]),  # zero rates (validation off)
-        ([1e-300, 1.0, 1e300], [4]),  # a rate that vanishes beside another
-        ([5.0], [0, 3]),  # one category
-        ([0.05, 0.9, 0.05, 2.2], [9, 1]),
-    ],
-)
+@pytest.mark.parametrize("rate,k", oracle.MODE_CASES)
 def test_mode_is_a_brute_force_mode_with_ties_to_the_lower_index(rate, k):
     rate_t = torch.tensor(rate, dtype=torch.float64).expand(len(k), len(rate))
     d = ConditionedPoisson(rate_t, k=torch.tensor(k), validate_args=False)

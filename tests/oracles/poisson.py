@@ -248,6 +248,18 @@ def reference_log_p(rate: np.ndarray) -> np.ndarray:
     return log_rate - special.logsumexp(log_rate, axis=-1, keepdims=True)
 
 
+# (rates, a k per batch element): settings whose modes tie or degenerate.
+MODE_CASES = [
+    ([1.0, 1.0, 1.0], [4, 0, 1, 2, 5]),  # all tied
+    ([0.3, 0.3, 1.7, 1.7, 1.7], [6, 7, 3]),  # ties within two blocks
+    ([2.0, 1.0], [2, 3, 5]),  # exact ties between different rates (2/2 = 1/1)
+    ([0.0, 1.0, 2.0, 0.0], [5, 0, 3]),  # zero rates (validation off)
+    ([1e-300, 1.0, 1e300], [4]),  # a rate that vanishes beside another
+    ([5.0], [0, 3]),  # one category
+    ([0.05, 0.9, 0.05, 2.2], [9, 1]),
+]
+
+
 def brute_force_modes(log_p: np.ndarray, k: int) -> tuple[float, list]:
     """(the largest multinomial log-pmf, every composition within 1e-12 of it) over all
     compositions of ``k`` into ``len(log_p)`` parts, by enumeration."""
