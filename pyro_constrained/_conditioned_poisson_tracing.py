@@ -11,21 +11,7 @@ holds for every rate (the entropy's window under trace).
 
 from __future__ import annotations
 
-import warnings
-from contextlib import contextmanager
+from pyro_constrained.exactly_k_tracing import static_under_trace
 
-import torch
-
+# Re-exported: the ConditionedPoisson modules import it from here.
 __all__ = ["static_under_trace"]
-
-
-@contextmanager
-def static_under_trace():
-    """Silences torch's TracerWarnings around code that reads only static information (a
-    size, or ``k``, a constant of the trace). Code that reads the rates must not be inside."""
-    if not torch.jit.is_tracing():
-        yield
-        return
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
-        yield

@@ -2,13 +2,11 @@
 ``KHot`` among them), the count rule for ``k``, and the logits of ``probs`` with exact 0 and
 1 kept infinite."""
 
-import warnings
-from contextlib import contextmanager
-
 import torch
 from torch.distributions import constraints
 
 from constrained_ppl.arguments import check_count
+from pyro_constrained.exactly_k_tracing import static_under_trace
 
 # The parameters' checks and the table size are Python numbers read from the logits and k,
 # which torch.func.vmap over them cannot provide (docs/numerics.md, "torch.func").
@@ -60,22 +58,8 @@ def _as_k(k, logits: torch.Tensor) -> torch.Tensor:
     check_count(k, concrete=True, name="k")
     if isinstance(k, torch.Tensor):
         return k.to(device=logits.device, dtype=torch.long)
-    with _static_under_trace():  # a Python number is a constant of the trace
+    with static_under_trace():  # a Python number is a constant of the trace
         return torch.as_tensor(k, device=logits.device).to(torch.long)
-
-
-@contextmanager
-def _static_under_trace():
-    """Silences torch's TracerWarnings around code that reads only static information
-    (sizes, which a trace fixes, and a ``k`` given as Python numbers, a constant of the
-    trace). Python branches on values that can change between calls (the logits) must not
-    be inside: under ``torch.jit.trace`` such code takes branch-free forms instead."""
-    if not torch.jit.is_tracing():
-        yield
-        return
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
-        yield
 
 
 def _logits_from_probs(probs: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ from typing import NamedTuple
 import torch
 
 from pyro_constrained import exactly_k_kernels as kernels
-from pyro_constrained._ekb_arguments import _static_under_trace
+from pyro_constrained.exactly_k_tracing import static_under_trace
 
 
 def _softplus(x: torch.Tensor) -> torch.Tensor:
@@ -123,12 +123,12 @@ def _kl_exactly_k_bernoulli(p, q) -> torch.Tensor:
     logits; ``+inf`` where p puts mass on a vector that q forbids. Evaluated as the
     difference of two cross-entropies of the tilted logits (``kernels.cross_entropy_value``),
     exactly 0 for p = q and exact for logits of any size; the gradient is the formula's."""
-    with _static_under_trace():  # sizes, which a trace fixes
+    with static_under_trace():  # sizes, which a trace fixes
         same_n = p.event_shape == q.event_shape
     if not same_n:
         raise ValueError(f"KL needs the same n, got {p.event_shape[0]} and {q.event_shape[0]}")
     constant_k = p._k_is_constant and q._k_is_constant
-    with _static_under_trace() if constant_k else nullcontext():
+    with static_under_trace() if constant_k else nullcontext():
         same_k = torch.equal(*torch.broadcast_tensors(p.k, q.k))
     if not same_k:
         raise ValueError("KL between ExactlyKBernoulli needs the same k")

@@ -35,7 +35,6 @@ from pyro_constrained._ekb_arguments import (
     _as_k,
     _ExtendedReal,
     _logits_from_probs,
-    _static_under_trace,
 )
 from pyro_constrained._ekb_terms import (
     _centred,
@@ -47,6 +46,7 @@ from pyro_constrained._ekb_terms import (
 )
 from pyro_constrained._ekb_terms import _kl_exactly_k_bernoulli as _kl
 from pyro_constrained._repr import parameters_repr
+from pyro_constrained.exactly_k_tracing import static_under_trace
 
 __all__ = ["ExactlyKBernoulli", "KHot"]
 
@@ -208,10 +208,10 @@ class ExactlyKBernoulli(TorchDistribution):
         (the kernels' table size, the largest count among the free variables) and, with
         validation off, marks the batch elements whose constraint is impossible: their
         log-probabilities are ``-inf``."""
-        with _static_under_trace():
+        with static_under_trace():
             n = int(self.logits.shape[-1])
         # Under torch.jit.trace, checks of a k given as Python numbers read a constant.
-        static = _static_under_trace if k_is_constant else nullcontext
+        static = static_under_trace if k_is_constant else nullcontext
         with static():
             if self.k_max is not None and self.k.numel() and self.k.max() > self.k_max:
                 raise ValueError(f"k must be at most k_max = {self.k_max}, got {int(self.k.max())}")
@@ -452,7 +452,7 @@ class ExactlyKBernoulli(TorchDistribution):
 
         The value is computed from the tilted logits (``kernels.log_prob_value``), exact to
         the dtype's precision for logits of any size; the gradient is that of the formula."""
-        with _static_under_trace():  # sizes only, which a trace fixes
+        with static_under_trace():  # sizes only, which a trace fixes
             check_value_shape(
                 tuple(value.shape), self.batch_shape, self.event_shape, "ExactlyKBernoulli.log_prob"
             )

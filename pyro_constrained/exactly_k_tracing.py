@@ -8,6 +8,7 @@ these functions and take branch-free, out-of-place forms of the same arithmetic 
 """
 
 import warnings
+from contextlib import contextmanager
 from functools import wraps
 
 import torch
@@ -37,19 +38,30 @@ def _is_compiling() -> bool:
     return bool(is_compiling()) if is_compiling is not None else False
 
 
+@contextmanager
+def static_under_trace():
+    """Silences torch's TracerWarnings around code that reads only static information (a
+    size, which a trace fixes, or a count given as a constant of the trace). Python branches
+    on values that can change between calls (logits, rates) must not be inside: under
+    ``torch.jit.trace`` such code takes ``_static_control_flow``'s branch-free forms."""
+    if not torch.jit.is_tracing():
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
+        yield
+
+
 def _sizes_only(function):
-    """``function`` with torch's TracerWarnings silenced while it is traced. Under
-    ``torch.jit.trace`` a tensor's sizes are traced values, and reading one as a Python int
-    or bool warns; the kernels' remaining Python conditions read sizes only (the tree's
-    shape follows n, k_max and the batch size, which a trace fixes anyway), never values
-    (those are ``_static_control_flow``'s forms), so the warnings would only be noise."""
+    """``function`` under :func:`static_under_trace`. Under ``torch.jit.trace`` a tensor's
+    sizes are traced values, and reading one as a Python int or bool warns; the kernels'
+    remaining Python conditions read sizes only (the tree's shape follows n, k_max and the
+    batch size, which a trace fixes anyway), never values (those are
+    ``_static_control_flow``'s forms), so the warnings would only be noise."""
 
     @wraps(function)
     def wrapper(*args, **kwargs):
-        if not torch.jit.is_tracing():
-            return function(*args, **kwargs)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
+        with static_under_trace():
             return function(*args, **kwargs)
 
     return wrapper
