@@ -18,6 +18,7 @@ import torch
 
 import numpyro_constrained as nc
 import pyro_constrained as pc
+from tests.oracles import exactly_k as exactly_k_oracle
 
 FRAMEWORKS = ["torch", "jax"]
 DTYPES = ["float32", "float64"]
@@ -331,28 +332,6 @@ def test_exactly_k_kl_counts_the_variables_p_forces_and_q_leaves_free(framework)
         assert abs(float(kl) - expected) <= 1e-12 * max(1.0, expected), (k, float(kl), expected)
 
 
-def _hessian_by_differences(function, x: np.ndarray, step: float = 1e-4) -> np.ndarray:
-    """Central second differences of a vector function (the probs move into (0, 1) and
-    beyond, where the enumerated polynomials continue analytically)."""
-    n = x.shape[0]
-    out = None
-    for i, j in itertools.product(range(n), repeat=2):
-
-        def at(a, b, i=i, j=j):
-            moved = x.copy()
-            moved[i] += a
-            moved[j] += b
-            return function(moved)
-
-        entry = (at(step, step) - at(step, -step) - at(-step, step) + at(-step, -step)) / (
-            4 * step * step
-        )
-        if out is None:
-            out = np.zeros(entry.shape + (n, n))
-        out[..., i, j] = entry
-    return out
-
-
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_exactly_k_hessians_of_mean_and_variance_at_probs_of_exactly_zero_and_one(framework):
     """Issue 29: the marginals' odds terms were first order only, so the Hessians in
@@ -372,7 +351,7 @@ def test_exactly_k_hessians_of_mean_and_variance_at_probs_of_exactly_zero_and_on
         mu = (masses / masses.sum()) @ rows
         return np.array([mu @ weights, (mu * (1 - mu)) @ weights])
 
-    expected = _hessian_by_differences(enumerated, probs)
+    expected = exactly_k_oracle.hessian_by_differences(enumerated, probs)
     if framework == "torch":
 
         def scalar(p, index):

@@ -652,23 +652,6 @@ def _polynomial_log_pmf_and_normalizer(probs: np.ndarray, k: int, z: np.ndarray)
     return math.log(weights[tuple(z)]) - math.log(normalizer), math.log(normalizer)
 
 
-def _hessian_by_differences(function, x: np.ndarray, step: float = 1e-4) -> np.ndarray:
-    n = x.shape[0]
-    out = np.zeros((n, n))
-    for i, j in itertools.product(range(n), repeat=2):
-
-        def at(a, b, i=i, j=j):
-            moved = x.copy()
-            moved[i] += a
-            moved[j] += b
-            return function(moved)
-
-        out[i, j] = (at(step, step) - at(step, -step) - at(-step, step) + at(-step, -step)) / (
-            4 * step * step
-        )
-    return out
-
-
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_second_derivatives_at_probs_of_exactly_zero_and_one(framework):
     """Issue 29: Hessians in ``probs`` of log_prob and log_constraint_prob at exact 0s and 1s
@@ -679,7 +662,7 @@ def test_second_derivatives_at_probs_of_exactly_zero_and_one(framework):
     k = 4
     z = np.array([0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0])
     expected = [
-        _hessian_by_differences(
+        oracle.hessian_by_differences(
             lambda p, i=i: _polynomial_log_pmf_and_normalizer(p, k, z)[i], probs
         )
         for i in range(2)

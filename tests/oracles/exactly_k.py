@@ -176,3 +176,26 @@ def log_constraint_prob_by_enumeration(logits, k: int) -> float:
     if np.all(scores == -np.inf):
         return -np.inf
     return float(special.logsumexp(scores))
+
+
+def hessian_by_differences(function, x: np.ndarray, step: float = 1e-4) -> np.ndarray:
+    """Central second differences of ``function`` (scalar or array valued) at ``x``, shape
+    ``function(x).shape + (n, n)``. The probs may move past 0 and 1, where the enumerated
+    polynomials continue analytically."""
+    n = x.shape[0]
+    out = None
+    for i, j in itertools.product(range(n), repeat=2):
+
+        def at(a, b, i=i, j=j):
+            moved = x.copy()
+            moved[i] += a
+            moved[j] += b
+            return np.asarray(function(moved))
+
+        entry = (at(step, step) - at(step, -step) - at(-step, step) + at(-step, -step)) / (
+            4 * step * step
+        )
+        if out is None:
+            out = np.zeros(entry.shape + (n, n))
+        out[..., i, j] = entry
+    return out
