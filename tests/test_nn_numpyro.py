@@ -312,28 +312,6 @@ def test_bad_arguments_raise_value_error():
         head_distribution(params, state, p["features"], p["k"], prediction="mean")
 
 
-def _known_conditional_gaussian(rng, rows, *, tails):
-    """Rows of a known model: ``y = c + e`` with ``c`` the orthogonal projection of ``x W``
-    onto ``{A y = k}`` and ``e`` the noise ``s * z`` (``z`` standard normal, or for
-    ``tails="student"`` multivariate Student t with 3 degrees of freedom: ``z`` times one
-    ``sqrt(3 / chi2_3)`` per row) conditioned on ``A e = 0``, i.e. ``e - S A^T (A S
-    A^T)^-1 A e`` with ``S = diag(s^2)``. Returns the arrays and ``(W, s, A)``."""
-    n, a, d = 6, 2, 3
-    A = np.random.default_rng(5).normal(size=(a, n))
-    W = np.random.default_rng(6).normal(size=(n, d))
-    s = np.array([0.05, 0.1, 0.2, 0.3, 0.5, 0.8])
-    x = rng.normal(size=(rows, d))
-    k = rng.normal(size=(rows, a))
-    loc = x @ W.T
-    centre = loc + np.linalg.solve(A @ A.T, (k - loc @ A.T).T).T @ A
-    noise = s * rng.normal(size=(rows, n))
-    if tails == "student":
-        noise *= np.sqrt(3.0 / rng.chisquare(3.0, size=(rows, 1)))
-    S = np.diag(s**2)
-    noise -= noise @ A.T @ np.linalg.solve(A @ S @ A.T, A @ S)
-    return x, k, centre + noise, (W, s, A)
-
-
 @pytest.mark.parametrize("tails", ["gaussian", "student"])
 def test_conformal_calibration_covers_on_a_known_conditional_gaussian(tails):
     """A head with the true mean (weights set to W) and every scale 3 times too large,
@@ -348,7 +326,7 @@ def test_conformal_calibration_covers_on_a_known_conditional_gaussian(tails):
     rng = np.random.default_rng(12)
     repetitions, held_out, tested = 20, 199, 500
     rows = held_out + tested
-    x, k, y, (W, s, A) = _known_conditional_gaussian(rng, repetitions * rows, tails=tails)
+    x, k, y, (W, s, A) = oracle.known_conditional_gaussian(rng, repetitions * rows, tails=tails)
     constraint = LinearConstraint(jnp.asarray(A))
     _, state = init_head(jax.random.PRNGKey(0), 3, constraint, dtype=jnp.float64)
     raw = np.log(np.expm1(3.0 * s - float(state["min_scale"])))  # scale = 3 s
@@ -383,7 +361,7 @@ def test_conformal_factor_is_the_ranked_distance_over_the_chi2_quantile():
     ``ceil((N + 1) c)``-th smallest M over SciPy's chi-square quantile, for two coverages."""
     rng = np.random.default_rng(3)
     # 199 examples, the shape of the calibration above (JAX compiles nothing new for it).
-    x, k, y, (W, s, A) = _known_conditional_gaussian(rng, 199, tails="gaussian")
+    x, k, y, (W, s, A) = oracle.known_conditional_gaussian(rng, 199, tails="gaussian")
     constraint = LinearConstraint(jnp.asarray(A))
     params, state = init_head(jax.random.PRNGKey(1), 3, constraint, dtype=jnp.float64)
     x, k, y = jnp.asarray(x), jnp.asarray(k), jnp.asarray(y)

@@ -456,28 +456,6 @@ def test_dtype_conversion_converts_the_constraints():
     assert head(p["features"], p["k"]).mean.dtype == torch.float32
 
 
-def _known_conditional_gaussian(rng, rows, *, tails):
-    """Rows of a known model: ``y = c + e`` with ``c`` the orthogonal projection of ``x W``
-    onto ``{A y = k}`` and ``e`` the noise ``s * z`` (``z`` standard normal, or for
-    ``tails="student"`` multivariate Student t with 3 degrees of freedom: ``z`` times one
-    ``sqrt(3 / chi2_3)`` per row) conditioned on ``A e = 0``, i.e. ``e - S A^T (A S
-    A^T)^-1 A e`` with ``S = diag(s^2)``. Returns the arrays and ``(W, s, A)``."""
-    n, a, d = 6, 2, 3
-    A = np.random.default_rng(5).normal(size=(a, n))
-    W = np.random.default_rng(6).normal(size=(n, d))
-    s = np.array([0.05, 0.1, 0.2, 0.3, 0.5, 0.8])
-    x = rng.normal(size=(rows, d))
-    k = rng.normal(size=(rows, a))
-    loc = x @ W.T
-    centre = loc + np.linalg.solve(A @ A.T, (k - loc @ A.T).T).T @ A
-    noise = s * rng.normal(size=(rows, n))
-    if tails == "student":
-        noise *= np.sqrt(3.0 / rng.chisquare(3.0, size=(rows, 1)))
-    S = np.diag(s**2)
-    noise -= noise @ A.T @ np.linalg.solve(A @ S @ A.T, A @ S)
-    return x, k, centre + noise, (W, s, A)
-
-
 def _true_mean_head(W, s, A, factor):
     """A head whose mean is ``x W`` projected and whose scale is ``factor * s``."""
     head = LinearConstrainedNormalHead(3, LinearConstraint(torch.tensor(A))).double()
@@ -502,7 +480,7 @@ def test_conformal_calibration_covers_on_a_known_conditional_gaussian(tails):
     rng = np.random.default_rng(12)
     repetitions, held_out, tested = 20, 199, 500
     rows = held_out + tested
-    x, k, y, (W, s, A) = _known_conditional_gaussian(rng, repetitions * rows, tails=tails)
+    x, k, y, (W, s, A) = oracle.known_conditional_gaussian(rng, repetitions * rows, tails=tails)
     head = _true_mean_head(W, s, A, 3.0)
     radius = scipy.stats.chi2.ppf(0.9, 6 - 2)
     region, per_output, factors = [], [], []
@@ -530,7 +508,7 @@ def test_conformal_factor_is_the_ranked_distance_over_the_chi2_quantile():
     the subspace, ``M = 2 (log p(mean) - log p(y))``; the factor squared is the
     ``ceil((N + 1) c)``-th smallest M over SciPy's chi-square quantile, for two coverages."""
     rng = np.random.default_rng(3)
-    x, k, y, (W, s, A) = _known_conditional_gaussian(rng, 40, tails="gaussian")
+    x, k, y, (W, s, A) = oracle.known_conditional_gaussian(rng, 40, tails="gaussian")
     head = _true_mean_head(W, s, A, 1.7)
     x, k, y = torch.tensor(x), torch.tensor(k), torch.tensor(y)
     with torch.no_grad():

@@ -150,3 +150,25 @@ def project(values, A, k):
     A = np.asarray(A, dtype=np.float64)
     residual = values @ A.T - np.asarray(k, dtype=np.float64)
     return values - np.linalg.solve(A @ A.T, residual[..., None])[..., 0] @ A
+
+
+def known_conditional_gaussian(rng, rows, *, tails):
+    """Rows of a known model: ``y = c + e`` with ``c`` the orthogonal projection of ``x W``
+    onto ``{A y = k}`` and ``e`` the noise ``s * z`` (``z`` standard normal, or for
+    ``tails="student"`` multivariate Student t with 3 degrees of freedom: ``z`` times one
+    ``sqrt(3 / chi2_3)`` per row) conditioned on ``A e = 0``, i.e. ``e - S A^T (A S
+    A^T)^-1 A e`` with ``S = diag(s^2)``. Returns the arrays and ``(W, s, A)``."""
+    n, a, d = 6, 2, 3
+    A = np.random.default_rng(5).normal(size=(a, n))
+    W = np.random.default_rng(6).normal(size=(n, d))
+    s = np.array([0.05, 0.1, 0.2, 0.3, 0.5, 0.8])
+    x = rng.normal(size=(rows, d))
+    k = rng.normal(size=(rows, a))
+    loc = x @ W.T
+    centre = loc + np.linalg.solve(A @ A.T, (k - loc @ A.T).T).T @ A
+    noise = s * rng.normal(size=(rows, n))
+    if tails == "student":
+        noise *= np.sqrt(3.0 / rng.chisquare(3.0, size=(rows, 1)))
+    S = np.diag(s**2)
+    noise -= noise @ A.T @ np.linalg.solve(A @ S @ A.T, A @ S)
+    return x, k, centre + noise, (W, s, A)
