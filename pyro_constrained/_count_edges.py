@@ -53,6 +53,15 @@ def unbounded(probs: torch.Tensor) -> torch.Tensor:
     return torch.where(probs == 0, 1.0, torch.where(probs == 1, -1.0, 0.0)).to(probs.dtype)
 
 
+def _edge_moves(probs: torch.Tensor, keepdim: bool = False):
+    """(sum of the moves of the probs at 0, of those at 1): zero-valued, their derivatives
+    the sums of the probs' own."""
+    delta = probs - probs.detach()
+    d_off = torch.where(probs == 0, delta, 0.0).sum(-1, keepdim=keepdim)
+    d_on = torch.where(probs == 1, delta, 0.0).sum(-1, keepdim=keepdim)
+    return d_off, d_on
+
+
 def new_count_tangents(probs: torch.Tensor, log_pmf: torch.Tensor) -> torch.Tensor:
     """Zeros of ``log_pmf``'s shape (``batch + (n + 1,)``, the law of K at the point) whose
     derivatives are those of ``P(K = j)`` at the two counts that are impossible at the
@@ -62,8 +71,7 @@ def new_count_tangents(probs: torch.Tensor, log_pmf: torch.Tensor) -> torch.Tens
     cannot carry these; the cumulative probabilities need them."""
     n = probs.shape[-1]
     off, on = probs == 0, probs == 1
-    d_off = torch.where(off, probs - probs.detach(), 0.0).sum(-1, keepdim=True)
-    d_on = torch.where(on, probs - probs.detach(), 0.0).sum(-1, keepdim=True)
+    d_off, d_on = _edge_moves(probs, keepdim=True)
     last = (n - off.sum(-1, keepdim=True)).expand(log_pmf.shape[:-1] + (1,))
     first = on.sum(-1, keepdim=True).expand(log_pmf.shape[:-1] + (1,))
     p_last = log_pmf.gather(-1, last).exp()
@@ -109,18 +117,16 @@ def range_tangents(
         inside = (counts >= low + shift) & (counts <= high + shift)
         log_w = torch.where(inside, log_p, -torch.inf)
         log_sums[shift] = torch.logsumexp(log_w, 0)
-        if shift != 0:
-            weights = torch.softmax(log_w, 0).nan_to_num(0.0)[..., None]
-            mixtures[shift] = torch.where(weights > 0, weights * mu_rows, 0.0).sum(0)
+        weights = torch.softmax(log_w, 0).nan_to_num(0.0)[..., None]
+        mixtures[shift] = torch.where(weights > 0, weights * mu_rows, 0.0).sum(0)
     ratios = {
         shift: (log_sums[shift] - log_sums[0]).exp().clamp(max=largest).nan_to_num(0.0)
         for shift in (-2, -1, 1, 2)
     }
-    mu = mixtures_at_point(log_p, mu_rows, counts, low, high)
+    mu = mixtures.pop(0)  # the range's marginals at the point
     tangents = odds_tangents(probs, ratios, mixtures, mu, infeasible)
     relative = torch.where(possible, (log_p - log_sums[0]).exp().nan_to_num(0.0), 0.0)
-    sum_off = torch.where(probs == 0, probs - probs.detach(), 0.0).sum(-1)
-    sum_on = torch.where(probs == 1, probs - probs.detach(), 0.0).sum(-1)
+    sum_off, sum_on = _edge_moves(probs)
     table = probs.new_zeros(first.shape + (n + 1,))
     for move, shift in ((sum_off, 1), (-sum_on, -1)):
         target = counts + shift
@@ -129,10 +135,3 @@ def range_tangents(
         index = target.clamp(0, n).movedim(0, -1)
         table = table.scatter_add(-1, index, share.movedim(0, -1))
     return tangents, table
-
-
-def mixtures_at_point(log_p, mu_rows, counts, low, high) -> torch.Tensor:
-    """The range's marginals at the point (the mixture of the rows in ``low..high``)."""
-    inside = (counts >= low) & (counts <= high)
-    weights = torch.softmax(torch.where(inside, log_p, -torch.inf), 0).nan_to_num(0.0)
-    return torch.where(weights[..., None] > 0, weights[..., None] * mu_rows, 0.0).sum(0)
