@@ -9,27 +9,31 @@ hundreds of small operator dispatches, which is all of its cost):
 
 * Tilt in closed form: ``c = -(x_(k) + x_(k+1)) / 2`` from the k-th and (k+1)-th largest
   logits (one sort), instead of Newton steps. It puts the boundary between the k chosen and
-  the rest at 0, which is all the log-space tables need: the entries that carry the answer
-  are then within about ``log C(n, k)`` of each table's largest one.
-* Log-space tables: a leaf holds ``(log off-weight, log on-weight) = (-max(x, 0), min(x, 0))``
-  with ``x = logit + c`` (both ``<= 0``, one of them 0, ``-inf`` exactly where impossible);
-  a level of the binary tree is one truncated log-space convolution of all its pairs of
-  nodes (a window view, one addition, one ``logsumexp``), each table then shifted by its own
-  largest entry (the shifts summed in float64 for the log normaliser). Every entry is a
-  sum of positive terms computed in log space, so it keeps its relative precision whatever
-  its size, and impossible counts stay exactly ``-inf``.
-* Marginals by the downward (outside) pass over the same tables, one correlation per level,
-  ``mu_i = sigmoid(on_i + O_i[1] - off_i - O_i[0])`` (and the complement as
-  ``sigmoid(-...)``, without rounding).
+  the rest at 0: the configuration with those k on then has weight 1, and every other
+  weighs less.
+* Linear-space tables in float64 whatever the logits' dtype: a leaf holds
+  ``(off-weight, on-weight) = (exp(-max(x, 0)), exp(min(x, 0)))`` with ``x = logit + c``
+  (both in [0, 1], one of them 1, 0 exactly where impossible); a level of the binary tree is
+  one truncated polynomial product of all its pairs of nodes (a window gather, a product
+  and a sum). Every entry is a sum of products of weights at most 1, and the table of a
+  subtree of m variables holds at most ``C(m, j)`` at count j, so at n <= ``SMALL_N`` no
+  entry overflows (``C(256, 128)`` is about 6e75) and none needs rescaling. An entry keeps
+  its relative precision (sums of positive terms) unless it is below float64's smallest
+  normal number, 1e-308 against the weight-1 configuration: every float32 result, and
+  every float64 one above about 1e-216, is exact to working precision (the general kernels
+  flush entries below ``sqrt(tiny)`` of their table's largest).
+* Marginals by the downward (outside) pass over the same tables, one correlation per level:
+  with ``a = on_i O_i[1]`` and ``b = off_i O_i[0]``, ``mu_i = a / (a + b)`` and its
+  complement ``b / (a + b)``, ratios of positive terms (no rounding of 1 - mu).
 * Their derivative (what ``rsample``'s straight-through gradient and second derivatives of
-  ``log_normalizer`` need) by a tangent pass over the saved tables: the Jacobian of the
-  marginals is the covariance of z, symmetric, so the vector-Jacobian product is the
-  directional derivative along the cotangent, propagated through each ``logsumexp`` by its
-  softmax weights. Higher derivatives (create_graph through this) recompute the marginals
-  with differentiable operations and differentiate those.
+  ``log_normalizer`` need) by a tangent pass over the saved tables and outside tables, each
+  product differentiated by the product rule: the Jacobian of the marginals is the
+  covariance of z, symmetric, so the vector-Jacobian product is the directional derivative
+  along the cotangent. Higher derivatives (create_graph through this) recompute the
+  marginals with differentiable operations and differentiate those.
 * Exact sampling top-down over the same tables: a node holding c ones gives m of them to its
-  left child with probability proportional to ``exp(left[m] + right[c - m])``, drawn by
-  Gumbel-max on the log weights (impossible splits are ``-inf`` and never drawn).
+  left child with probability proportional to ``left[m] right[c - m]``, drawn by Gumbel-max
+  on the logs of those weights (impossible splits weigh 0 and are never drawn).
 
 Python branches read only sizes (n, k_max, the batch size), never values, so
 ``torch.jit.trace`` replays the same computation for any later input.
@@ -83,22 +87,25 @@ def tilt(logits: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tensor:
 
 
 def _leaves(x: torch.Tensor) -> torch.Tensor:
-    """(2, batch, m) log leaf tables, m = n rounded up to a power of two: the padding
-    variables have logit -inf (never on), which changes nothing else."""
+    """(2, batch, m) leaf tables (off-weight ``exp(-max(x, 0))``, on-weight
+    ``exp(min(x, 0))``) of the float64 tilted logits, m = n rounded up to a power of two:
+    the padding variables have logit -inf (never on), which changes nothing else. The
+    derivative of the on-weight is taken at x = 0 and the off-weight's is not, so that
+    their ratio ``exp(x)`` has derivative ``exp(x)`` there too."""
     n = int(x.shape[-1])
     size = 1 << (n - 1).bit_length()
     if size > n:
         x = F.pad(x, (0, size - n), value=-_INF)
-    return torch.stack([-x.clamp(min=0.0), x.clamp(max=0.0)], 0)
+    return torch.stack([-torch.relu(x), x.clamp(max=0.0)], 0).exp()
 
 
 # Tables are stored width-major, (width, batch, nodes): every operation then runs over
 # contiguous slabs of batch * nodes entries (with the small width innermost, broadcasting
-# and reductions on CPU were 10x to 30x slower per entry at batch 128).
+# and reductions on CPU were 3x to 30x slower per entry at batch 128).
 
 
-def _pad_width(table: torch.Tensor, before: int, after: int, value=-_INF) -> torch.Tensor:
-    return F.pad(table, (0, 0, 0, 0, before, after), value=value)
+def _pad_width(table: torch.Tensor, before: int, after: int) -> torch.Tensor:
+    return F.pad(table, (0, 0, 0, 0, before, after))
 
 
 # Index tensors of the windows, by (rows, columns, sign, offset, device): each is a few
@@ -125,45 +132,24 @@ def _window_index(rows: int, columns: int, sign: int, offset: int, device) -> to
         if len(_INDEX_CACHE) >= _INDEX_CACHE_SIZE:  # a bound on its memory
             _INDEX_CACHE.clear()
         _INDEX_CACHE[key] = index
-    return torch.from_numpy(index).to(device)
+    index = torch.from_numpy(index)
+    return index if index.device == device else index.to(device)
 
 
-def _convolve_terms(left, right, out_width: int, pad_value=-_INF) -> torch.Tensor:
-    """Terms ``left[t] + right[j - t]``, shape (out_width, w, batch, nodes)."""
-    w = int(left.shape[0])
-    padded = _pad_width(right, w - 1, max(0, out_width - int(right.shape[0])), pad_value)
-    return padded[_window_index(out_width, w, -1, w - 1, padded.device)] + left
+def _convolve(left: torch.Tensor, right: torch.Tensor, out_width: int) -> torch.Tensor:
+    """The truncated product of the polynomials, ``sum_t left[t] right[j - t]`` for
+    j < ``out_width``: one window gather of ``right``, a product and a sum."""
+    w = int(right.shape[0])
+    padded = _pad_width(right, w - 1, max(0, out_width - 1))
+    return (padded[_window_index(out_width, w, -1, w - 1, padded.device)] * left).sum(1)
 
 
-def _correlate_terms(outside, sibling, pad_value=-_INF) -> torch.Tensor:
-    """Terms ``outside[a + t] + sibling[t]``, shape (w, w, batch, nodes), w the sibling's
-    width (the child's outside entry a sums them over t)."""
+def _correlate(outside: torch.Tensor, sibling: torch.Tensor) -> torch.Tensor:
+    """``sum_t outside[a + t] sibling[t]`` for a below the sibling's width w (the child's
+    outside entry a: the completions of its count a to k outside the child)."""
     w = int(sibling.shape[0])
-    padded = _pad_width(outside, 0, max(0, 2 * w - 1 - int(outside.shape[0])), pad_value)
-    return padded[_window_index(w, w, 1, 0, padded.device)] + sibling
-
-
-def _logsumexp(terms: torch.Tensor, with_weights: bool = True):
-    """(logsumexp over axis 1, the softmax weights of the terms, 0 where every term is
-    -inf, or None without ``with_weights``). Written out: torch.logsumexp is several times
-    slower on small CPU tensors, and the weights are the tangent pass's."""
-    top = terms.amax(1, keepdim=True).clamp(min=torch.finfo(terms.dtype).min)
-    weights = torch.exp(terms - top)
-    total = weights.sum(1, keepdim=True)
-    table = (torch.log(total) + top)[:, 0]
-    return table, weights / total.clamp(min=1.0) if with_weights else None
-
-
-def _logsumexp_value(terms: torch.Tensor) -> tuple[torch.Tensor, None]:
-    return _logsumexp(terms, False)
-
-
-def _shift(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The table less its largest entry. Every table has a finite entry (the count 0 of a
-    subtree, or for an outside table some count that completes k), so the largest entry
-    is finite."""
-    top = table.amax(0, keepdim=True)
-    return table - top, top
+    padded = _pad_width(outside, 0, max(0, 2 * w - 1 - int(outside.shape[0])))
+    return (padded[_window_index(w, w, 1, 0, padded.device)] * sibling).sum(1)
 
 
 def _halves(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,117 +157,89 @@ def _halves(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return table[..., :half], table[..., half:]
 
 
-def _upward(leaves: torch.Tensor, k_max: int, lse=_logsumexp, with_log_scale: bool = False):
-    """The tables of every level, leaves first, root last (width, batch, 1); the softmax
-    weights of each convolution's terms (for the tangent pass); the float64 sum of the
-    shifts, shape (batch,), with ``with_log_scale``."""
-    tables, weights_list = [leaves], []
-    log_scale = leaves.new_zeros(leaves.shape[1], dtype=torch.float64)
-    table = leaves
-    while int(table.shape[-1]) > 1:
-        out_width = min(2 * int(table.shape[0]) - 1, k_max + 1)
-        table, weights = lse(_convolve_terms(*_halves(table), out_width))
-        table, top = _shift(table)
-        if with_log_scale:
-            log_scale = log_scale + top[0].sum(-1, dtype=torch.float64)
-        tables.append(table)
-        weights_list.append(weights)
-    return tables, weights_list, log_scale
-
-
-def _root_outside(root: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    counts = _window_index(int(root.shape[0]), 1, 0, 0, root.device)[..., None]
-    return torch.where(counts == k[:, None], 0.0, -_INF).to(root.dtype)
-
-
 def _siblings(table: torch.Tensor) -> torch.Tensor:
     """Each node's sibling: the halves swapped."""
     return table.roll(int(table.shape[-1]) // 2, -1)
 
 
-def _downward(tables, k: torch.Tensor, lse=_logsumexp):
-    """Outside tables of the leaves (2, batch, m) and the softmax weights of each
-    correlation's terms, root first."""
-    outside = _root_outside(tables[-1], k)
-    weights_list = []
+def _upward(leaves: torch.Tensor, k_max: int) -> list[torch.Tensor]:
+    """The tables of every level, leaves first, root last (width, batch, 1)."""
+    tables, table = [leaves], leaves
+    while int(table.shape[-1]) > 1:
+        out_width = min(2 * int(table.shape[0]) - 1, k_max + 1)
+        table = _convolve(*_halves(table), out_width)
+        tables.append(table)
+    return tables
+
+
+def _root_outside(root: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    counts = _window_index(int(root.shape[0]), 1, 0, 0, root.device)[..., None]
+    return (counts == k[:, None]).to(root.dtype)
+
+
+def _downward(tables, k: torch.Tensor) -> list[torch.Tensor]:
+    """The outside tables of every level, root first, leaves last (2, batch, m)."""
+    outsides = [_root_outside(tables[-1], k)]
     for table in reversed(tables[:-1]):
-        outside, weights = lse(_correlate_terms(outside.repeat(1, 1, 2), _siblings(table)))
-        outside = _shift(outside)[0]
-        weights_list.append(weights)
-    return outside, weights_list
+        outsides.append(_correlate(outsides[-1].repeat(1, 1, 2), _siblings(table)))
+    return outsides
 
 
-def _log_odds(leaves: torch.Tensor, outside: torch.Tensor, n: int) -> torch.Tensor:
-    """``on + O[1] - off - O[0]`` per variable (the log odds of its marginal), (batch, n)."""
-    on = leaves[1, :, :n] + outside[1, :, :n]
-    off = leaves[0, :, :n] + outside[0, :, :n]
-    return on - off
+def _ratios(leaves: torch.Tensor, outside: torch.Tensor, n: int) -> torch.Tensor:
+    """(1 - mu, mu), shape (2, batch, n): each leaf's off- and on-weight times its outside
+    entry, over their sum (which is the root's entry k)."""
+    terms = (leaves * outside)[..., :n]
+    return terms / terms.sum(0)
 
 
-def _prepare(
-    logits: torch.Tensor, k: torch.Tensor, k_max: int, with_log_scale=False, lse=_logsumexp
-):
+def _prepare(logits: torch.Tensor, k: torch.Tensor, k_max: int):
+    """(tilt, float64 tilted logits, tables); no gradient."""
     c = tilt(logits, k, k_max)
-    x = logits + c
-    leaves = _leaves(x)
-    return c, x, leaves, _upward(leaves, k_max, lse, with_log_scale)
-
-
-def _safe_logsumexp(terms: torch.Tensor) -> tuple[torch.Tensor, None]:
-    """``logsumexp`` over axis 1 whose derivatives of every order are finite where all terms
-    are -inf (torch's gives NaN there)."""
-    top = terms.detach().amax(1, keepdim=True).clamp(min=torch.finfo(terms.dtype).min)
-    total = torch.exp(terms - top).sum(1)
-    possible = total > 0
-    safe = torch.where(possible, total, 1.0)
-    return torch.where(possible, top[:, 0] + torch.log(safe), -_INF), None
+    x = logits.detach().to(torch.float64) + c.to(torch.float64)
+    return c, x, _upward(_leaves(x), k_max)
 
 
 def _differentiable_marginals(logits: torch.Tensor, k: torch.Tensor, k_max: int):
     """The marginals from differentiable operations only (for derivatives of any order)."""
-    c = tilt(logits, k, k_max)
-    x = logits + c
-    leaves = _leaves(x)
-    tables = _upward(leaves, k_max, _safe_logsumexp)[0]
-    outside = _downward(tables, k, _safe_logsumexp)[0]
-    return torch.sigmoid(_log_odds(leaves, outside, int(x.shape[-1])))
+    x = logits.to(torch.float64) + tilt(logits, k, k_max).to(torch.float64)
+    tables = _upward(_leaves(x), k_max)
+    outside = _downward(tables, k)[-1]
+    return _ratios(tables[0], outside, int(x.shape[-1]))[1].to(logits.dtype)
 
 
-def _tangent(x, tangent, tables, up_weights, down_weights, log_odds):
-    """The derivative of the log odds along ``tangent`` (batch, n), over the saved tables
-    and softmax weights. Each table's shift is a constant of that table, which cancels in
-    the log odds, so its derivative is left out throughout."""
+def _tangent(x, tangent, tables, outsides, ratios):
+    """The derivative of the marginals along ``tangent`` (batch, n), over the saved tables
+    and outside tables: the same passes, each product differentiated by the product rule.
+    With a = on * O[1] and b = off * O[0], ``d mu = (da b - a db) / (a + b)^2``."""
     n = int(x.shape[-1])
-    d_off = torch.where(x > 0, -tangent, 0.0)
-    d_on = torch.where((x > -_INF) & (x <= 0), tangent, 0.0)
-    d_leaves = torch.stack([d_off, d_on], 0)
+    tangent = tangent.to(torch.float64)
+    d_leaves = torch.stack([torch.where(x > 0, -tangent, 0.0), torch.where(x > 0, 0.0, tangent)])
     size = int(tables[0].shape[-1])
     if size > n:
         d_leaves = F.pad(d_leaves, (0, size - n))
-    d_tables, d_table = [d_leaves], d_leaves
-    for weights in up_weights:
-        d_terms = _convolve_terms(*_halves(d_table), int(weights.shape[0]), 0.0)
-        d_table = (weights * d_terms).sum(1)
-        d_tables.append(d_table)
-    d_outside = torch.zeros_like(tables[-1])
-    for d_table, weights in zip(reversed(d_tables[:-1]), down_weights, strict=True):
-        d_terms = _correlate_terms(d_outside.repeat(1, 1, 2), _siblings(d_table), 0.0)
-        d_outside = (weights * d_terms).sum(1)
-    d_log_odds = (d_leaves[1] - d_leaves[0] + d_outside[1] - d_outside[0])[:, :n]
-    return torch.where(log_odds.abs() < _INF, d_log_odds, 0.0)  # 0 where +-inf or NaN
-
-
-def _forward_pass(logits: torch.Tensor, k: torch.Tensor, k_max: int):
-    c, x, leaves, (tables, up_terms, _) = _prepare(logits.detach(), k, k_max)
-    outside, down_terms = _downward(tables, k)
-    log_odds = _log_odds(leaves, outside, int(x.shape[-1]))
-    return x, tables, up_terms, down_terms, log_odds
+    d_tables = [tables[0] * d_leaves]
+    for table in tables[:-1]:
+        out_width = int(tables[len(d_tables)].shape[0])
+        (left, right), (d_left, d_right) = _halves(table), _halves(d_tables[-1])
+        d_tables.append(_convolve(d_left, right, out_width) + _convolve(left, d_right, out_width))
+    d_outside = torch.zeros_like(outsides[0])
+    for table, d_table, outside in zip(
+        reversed(tables[:-1]), reversed(d_tables[:-1]), outsides[:-1], strict=True
+    ):
+        d_outside = _correlate(d_outside.repeat(1, 1, 2), _siblings(table)) + _correlate(
+            outside.repeat(1, 1, 2), _siblings(d_table)
+        )
+    terms = (tables[0] * outsides[-1])[..., :n]
+    d_terms = (d_tables[0] * outsides[-1] + tables[0] * d_outside)[..., :n]
+    total = terms.sum(0)
+    return (d_terms[1] * terms[0] - terms[1] * d_terms[0]) / (total * total)
 
 
 class _Marginals(torch.autograd.Function):
     """The marginals and their complements (no gradient), then the tensors the tangent pass
-    and the sampler use: x, the log odds, the tables (leaves first), the up- and downward
-    softmax weights. All outputs are tensors (``torch.jit.trace`` records no others)."""
+    and the sampler use: the float64 tilted logits, the tables (leaves first) and the
+    outside tables (root first). All outputs are tensors (``torch.jit.trace`` records no
+    others)."""
 
     # Plain tensor operations without decisions on values in forward and backward, so
     # torch.func can batch both (jacrev vmaps the backward over the cotangents).
@@ -290,42 +248,40 @@ class _Marginals(torch.autograd.Function):
     @staticmethod
     def forward(logits, k, k_max):
         with torch.no_grad():
-            x, tables, up_weights, down_weights, log_odds = _forward_pass(logits, k, k_max)
-            mu, complement = torch.sigmoid(log_odds), torch.sigmoid(-log_odds)
-        return (mu, complement, x, log_odds, *tables, *up_weights, *down_weights)
+            _, x, tables = _prepare(logits, k, k_max)
+            outsides = _downward(tables, k)
+            ratios = _ratios(tables[0], outsides[-1], int(x.shape[-1])).to(logits.dtype)
+        return (ratios[1], ratios[0], x, *tables, *outsides)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         logits, k, k_max = inputs
-        mu, complement, x, log_odds = output[:4]
-        levels = (len(output) - 5) // 3
         ctx.mark_non_differentiable(*output[1:])
         # The other outputs' gradients are never used: not materialised as zero tensors
-        # (one operator call each, three per tree level).
+        # (one operator call each, two per tree level).
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(logits, k, mu, complement, x, log_odds, *output[4:])
-        ctx.save_for_forward(mu, complement, x, log_odds, *output[4:])
-        ctx.levels, ctx.k_max = levels, k_max
+        ctx.save_for_backward(logits, k, *output)
+        ctx.save_for_forward(*output)
+        ctx.levels, ctx.k_max = (len(output) - 3) // 2, k_max
+
+    @staticmethod
+    def _tangent_of(ctx, saved, tangent):
+        mu, complement, x, *rest = saved
+        tables, outsides = rest[: ctx.levels], rest[ctx.levels :]
+        return _tangent(x, tangent, tables, outsides, None).to(mu.dtype)
 
     @staticmethod
     def jvp(ctx, logits_dot, *unused):
         # Forward mode (torch.func.jvp, jacfwd): the tangent pass is a directional
         # derivative already; only mu has one (the other outputs are non-differentiable).
-        mu, complement, x, log_odds, *rest = ctx.saved_tensors
-        levels = ctx.levels
-        tables, up_weights = rest[: levels + 1], rest[levels + 1 : 2 * levels + 1]
-        down_weights = rest[2 * levels + 1 :]
-        d = _tangent(x, logits_dot, tables, up_weights, down_weights, log_odds)
-        return (mu * complement * d,) + (None,) * (len(rest) + 3)
+        saved = ctx.saved_tensors
+        return (_Marginals._tangent_of(ctx, saved, logits_dot),) + (None,) * (len(saved) - 1)
 
     @staticmethod
     def backward(ctx, grad, *unused):
         if grad is None:
             return None, None, None
-        logits, k, mu, complement, x, log_odds, *rest = ctx.saved_tensors
-        levels = ctx.levels
-        tables, up_weights = rest[: levels + 1], rest[levels + 1 : 2 * levels + 1]
-        down_weights = rest[2 * levels + 1 :]
+        logits, k, *saved = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph: differentiable again
             # Recomputed from differentiable operations on the input itself, so that the
             # result is a function of it in the graph being built.
@@ -336,8 +292,7 @@ class _Marginals(torch.autograd.Function):
             )
             return pullback(grad)[0], None, None
         with torch.no_grad():
-            d = _tangent(x, grad, tables, up_weights, down_weights, log_odds)
-            return mu * complement * d, None, None
+            return _Marginals._tangent_of(ctx, saved, grad), None, None
 
 
 def _flatten(logits: torch.Tensor, k: torch.Tensor):
@@ -362,23 +317,22 @@ def normalizer_parts(logits: torch.Tensor, k: torch.Tensor, k_max: int):
     ``exactly_k_kernels.NormalizerParts``)."""
     with torch.no_grad():
         flat_logits, flat_k = _flatten(logits.detach(), k)
-        prepared = _prepare(flat_logits, flat_k, k_max, True, _logsumexp_value)
-        c, (tables, _, log_scale) = prepared[0], prepared[3]
-        root_k = tables[-1][:, :, 0].gather(0, flat_k.long()[None])[0]
-        log_reduced = root_k.to(torch.float64) + log_scale
+        c, _, tables = _prepare(flat_logits, flat_k, k_max)
+        log_reduced = tables[-1][:, :, 0].gather(0, flat_k.long()[None])[0].log()
         batch_shape = logits.shape[:-1]
 
     # A partial, not a closure: the parts are kept on the distribution, which must pickle.
-    saved_marginals = functools.partial(_marginals_of_kept_pass, tables, flat_k, logits.shape)
+    saved_marginals = functools.partial(_marginals_of_kept_pass, tables, flat_k, logits)
     tilt_part = c[:, 0].to(torch.float64).reshape(batch_shape)
     return tilt_part, log_reduced.reshape(batch_shape), saved_marginals
 
 
-def _marginals_of_kept_pass(tables, flat_k, shape) -> torch.Tensor:
+def _marginals_of_kept_pass(tables, flat_k, logits) -> torch.Tensor:
     """The downward pass over a kept upward pass (``normalizer_parts``): the marginals."""
     with torch.no_grad():
-        outside = _downward(tables, flat_k, _logsumexp_value)[0]
-        return torch.sigmoid(_log_odds(tables[0], outside, shape[-1])).reshape(shape)
+        outside = _downward(tables, flat_k)[-1]
+        mu = _ratios(tables[0], outside, int(logits.shape[-1]))[1]
+        return mu.to(logits.dtype).reshape(logits.shape)
 
 
 def _draw(tables, k: torch.Tensor, num_samples: int) -> torch.Tensor:
@@ -398,13 +352,12 @@ def _draw(tables, k: torch.Tensor, num_samples: int) -> torch.Tensor:
     for table, noise, shape in zip(reversed(tables[:-1]), noises, shapes, strict=True):
         left, right = _halves(table)
         w = shape[0]
-        # The right child's entry c - m for m = 0..w-1, from its table padded with -inf.
+        # The right child's entry c - m for m = 0..w-1, from its table padded with zeros
+        # (log weight -inf: impossible splits are never drawn).
         padded = _pad_width(right, w - 1, w - 1)[:, None]
         index = counts + _window_index(1, w, -1, w - 1, device).reshape(w, 1, 1, 1)
-        log_weight = left[:, None] + padded.expand((padded.shape[0],) + counts.shape).gather(
-            0, index
-        )
-        ones_left = (log_weight + noise.view(shape)).max(0).indices
+        weight = left[:, None] * padded.expand((padded.shape[0],) + counts.shape).gather(0, index)
+        ones_left = (weight.log() + noise.view(shape)).max(0).indices
         counts = torch.cat([ones_left, counts - ones_left], -1)
     return counts
 
@@ -418,12 +371,11 @@ def sample_and_marginals(
     flat_logits, flat_k = _flatten(logits, k)
     if with_marginals:
         output = _Marginals.apply(flat_logits, flat_k, k_max)
-        mu, levels = output[0], (len(output) - 5) // 3
-        tables = output[4 : 5 + levels]
-        mu = mu.reshape(logits.shape)
+        tables = output[3 : 3 + (len(output) - 3) // 2]
+        mu = output[0].reshape(logits.shape)
     else:
         with torch.no_grad():
-            tables = _prepare(flat_logits.detach(), flat_k, k_max, lse=_logsumexp_value)[3][0]
+            tables = _prepare(flat_logits.detach(), flat_k, k_max)[2]
         mu = None
     with torch.no_grad():
         counts = _draw(tables, flat_k, sample_shape.numel())  # no gradient: non-differentiable
