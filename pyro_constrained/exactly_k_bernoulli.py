@@ -46,7 +46,7 @@ from pyro_constrained._ekb_terms import (
 )
 from pyro_constrained._ekb_terms import _kl_exactly_k_bernoulli as _kl
 from pyro_constrained._repr import parameters_repr
-from pyro_constrained.exactly_k_tracing import static_under_trace
+from pyro_constrained.exactly_k_tracing import _static_control_flow, static_under_trace
 
 __all__ = ["ExactlyKBernoulli", "KHot"]
 
@@ -458,13 +458,17 @@ class ExactlyKBernoulli(TorchDistribution):
             )
         if self._validate_args:
             self._validate_sample(value)
-        possible = self.support.check(value) & self._respects_infinite_logits(value)
-        possible = possible & ~self._infeasible
         dtype = torch.promote_types(self.logits.dtype, value.dtype)
         exact = kernels.log_prob_value(self._kernel_logits, self._normalizer_parts, value)
         exact = torch.where(self._deterministic, 0.0, exact)
         formula = (self._finite_logits * value).sum(-1) - self._log_normalizer
         score = _value_with_gradient_of(exact.to(dtype), formula)
+        if self._validate_args and not _static_control_flow():
+            # Every value and the constraint were checked (else ValueError): all possible. A
+            # traced program keeps the mask below, since it replays no check.
+            return score
+        possible = self.support.check(value) & self._respects_infinite_logits(value)
+        possible = possible & ~self._infeasible
         return torch.where(possible, score, torch.full_like(score, -torch.inf))
 
     def sample(self, sample_shape: tuple[int, ...] = ()) -> torch.Tensor:

@@ -175,9 +175,7 @@ def marginals(logits: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tensor
     ``batch + (n,)``; differentiable again when ``logits`` requires grad."""
     if k_max == 0:
         return _zeros_with_gradient(logits)
-    if _small.applies(
-        logits, k_max, _small.SMALL_ENTRIES_MARGINALS
-    ):  # small n: see exactly_k_small
+    if _small.applies(logits, k_max):  # small n: see exactly_k_small
         return _small.marginals(logits, k, k_max)
     flat_k, batch_shape, _, weights, root, levels, _ = _prepare(logits, k, k_max)
     return _marginals_from(flat_k, weights, root, levels).reshape(logits.shape)
@@ -191,9 +189,7 @@ def marginals_and_complements(
     gradient), so that a marginal near 1 keeps the relative precision of its complement."""
     if k_max == 0:
         return _zeros_with_gradient(logits), torch.ones_like(logits).detach()
-    if _small.applies(
-        logits, k_max, _small.SMALL_ENTRIES_MARGINALS
-    ):  # small n: see exactly_k_small
+    if _small.applies(logits, k_max):  # small n: see exactly_k_small
         return _small.marginals_and_complements(logits, k, k_max)
     flat_k, batch_shape, _, weights, root, levels, _ = _prepare(logits, k, k_max)
     mu, complement = _marginals_from(flat_k, weights, root, levels, with_complements=True)
@@ -235,9 +231,7 @@ def sample_and_marginals(
     logits: torch.Tensor, k: torch.Tensor, k_max: int, sample_shape: tuple[int, ...] = ()
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sample(...), marginals(...)) from one upward pass (for ``rsample``)."""
-    if _small.applies(
-        logits, k_max, _small.SMALL_ENTRIES_MARGINALS
-    ):  # small n: see exactly_k_small
+    if _small.applies(logits, k_max):  # small n: see exactly_k_small
         return _small.sample_and_marginals(logits, k, k_max, sample_shape)
     return _sample_and_maybe_marginals(logits, k, k_max, sample_shape, True)
 

@@ -50,23 +50,19 @@ from pyro_constrained.exactly_k_tracing import _static_control_flow
 
 # The largest n that takes this path, and the most table entries (batch * n * (k_max + 1)),
 # set from paired measurements against the general kernels (float32, one thread;
-# benchmarks/README.md, "Small sites"): above them the small path's exp and log per entry and
-# its (width x width) outside terms cost more than the general kernels' linear-space sums.
-# The marginals (an upward and a downward pass, a tangent pass for their derivative) stay
-# faster up to larger tables than the log normaliser and plain sampling do.
+# benchmarks/README.md, "Small sites"): above them the small path's (width x width) window
+# terms per node cost more than the general kernels' shift-and-add levels.
 SMALL_N = 256
-SMALL_ENTRIES = 1 << 15
-SMALL_ENTRIES_MARGINALS = 1 << 16
+SMALL_ENTRIES = 1 << 17
 
 _INF = float("inf")
 
 
-def applies(logits: torch.Tensor, k_max: int, entries: int = SMALL_ENTRIES) -> bool:
-    """Whether the small path is taken (sizes only; k_max = 0 is the callers' own case):
-    ``entries`` is the most table entries, ``SMALL_ENTRIES_MARGINALS`` for the marginals."""
+def applies(logits: torch.Tensor, k_max: int) -> bool:
+    """Whether the small path is taken (sizes only; k_max = 0 is the callers' own case)."""
     n = int(logits.shape[-1])
     batch = logits.numel() // max(n, 1)
-    return k_max > 0 and n <= SMALL_N and batch * n * (k_max + 1) <= entries
+    return k_max > 0 and n <= SMALL_N and batch * n * (k_max + 1) <= SMALL_ENTRIES
 
 
 def tilt(logits: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tensor:
@@ -336,28 +332,25 @@ def _marginals_of_kept_pass(tables, flat_k, logits) -> torch.Tensor:
 
 
 def _draw(tables, k: torch.Tensor, num_samples: int) -> torch.Tensor:
-    """Counts of ones per leaf, (num_samples, batch, m), top-down from k."""
+    """Counts of ones per leaf, (num_samples, batch, m), top-down from k: a node holding c
+    ones gives m to its left child with probability ``left[m] right[c - m]`` over their sum,
+    drawn by inversion (the first m whose cumulative weight exceeds a uniform fraction of
+    the total; a split of weight 0 is never drawn)."""
     counts = k.long()[None, :, None].expand(num_samples, -1, 1)  # (samples, batch, nodes)
-    # The Gumbel noise of every level at once (a level's noise has the shape of its log
-    # weights below: width, samples, batch, half the nodes).
-    shapes = [
-        (int(t.shape[0]), num_samples, int(t.shape[1]), int(t.shape[2]) // 2)
-        for t in reversed(tables[:-1])
-    ]
+    # One uniform per parent node, every level's at once.
+    shapes = [(num_samples, int(t.shape[1]), int(t.shape[2]) // 2) for t in reversed(tables[:-1])]
     sizes = [math.prod(shape) for shape in shapes]
     dtype, device = tables[0].dtype, tables[0].device
-    uniform = torch.rand(sum(sizes), dtype=dtype, device=device)
-    gumbel = -torch.log(-torch.log(uniform.clamp(min=torch.finfo(dtype).tiny)))
-    noises = gumbel.split(sizes)
-    for table, noise, shape in zip(reversed(tables[:-1]), noises, shapes, strict=True):
+    uniforms = torch.rand(sum(sizes), dtype=dtype, device=device).split(sizes)
+    for table, uniform, shape in zip(reversed(tables[:-1]), uniforms, shapes, strict=True):
         left, right = _halves(table)
-        w = shape[0]
-        # The right child's entry c - m for m = 0..w-1, from its table padded with zeros
-        # (log weight -inf: impossible splits are never drawn).
+        w = int(table.shape[0])
+        # The right child's entry c - m for m = 0..w-1, from its table padded with zeros.
         padded = _pad_width(right, w - 1, w - 1)[:, None]
         index = counts + _window_index(1, w, -1, w - 1, device).reshape(w, 1, 1, 1)
         weight = left[:, None] * padded.expand((padded.shape[0],) + counts.shape).gather(0, index)
-        ones_left = (weight.log() + noise.view(shape)).max(0).indices
+        cumulative = weight.cumsum(0)
+        ones_left = (cumulative <= uniform.view(shape) * cumulative[-1]).sum(0)
         counts = torch.cat([ones_left, counts - ones_left], -1)
     return counts
 

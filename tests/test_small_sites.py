@@ -61,9 +61,9 @@ def test_the_small_path_is_taken_for_small_sites_only(framework):
     assert not small.applies(array((4, 1000)), 10)  # n above SMALL_N
     assert not small.applies(array((4096, 200)), 100)  # too many table entries
     assert not small.applies(array((1, 10)), 0)  # k_max = 0: the callers' own case
-    if framework == "torch":  # the marginals keep the small path up to larger tables
-        assert not small.applies(array((128, 50)), 5)
-        assert small.applies(array((128, 50)), 5, small.SMALL_ENTRIES_MARGINALS)
+    entries = small.SMALL_ENTRIES  # batch * n * (k_max + 1), each side of the bound
+    assert small.applies(array((entries // 200, 50)), 3)
+    assert not small.applies(array((entries // 200 + 1, 50)), 3)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
