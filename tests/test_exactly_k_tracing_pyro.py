@@ -213,3 +213,25 @@ def test_torch_func_grad_and_vmap():
     assert torch.allclose(torch.func.vmap(d.log_prob)(SUPPORT), _brute(logits)[0], atol=1e-9)
     with pytest.raises(RuntimeError, match="batched natively"):
         torch.func.vmap(log_prob)(torch.stack([logits, _ordinary()]))
+
+
+def test_a_validated_log_prob_traced_keeps_its_support_mask():
+    """An eager validated log_prob skips its support mask (its validation has just raised on
+    anything outside the support); a traced one replays no validation, so it must keep the
+    mask: a later value with the wrong count, or a 1 under a -inf logit, scores -inf."""
+    logits = torch.tensor([0.3, -1.2, 2.0, 0.0, -0.7])
+    k_hot = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0])
+
+    def log_prob(theta, value):
+        return ExactlyKBernoulli(logits=theta, k=2, validate_args=True).log_prob(value)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traced = torch.jit.trace(log_prob, (logits, k_hot), check_trace=False)
+    masked = logits.clone()
+    masked[0] = -math.inf
+    assert torch.allclose(traced(logits, k_hot), log_prob(logits, k_hot))
+    assert traced(logits, torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0])) == -math.inf
+    assert traced(masked, k_hot) == -math.inf
+    with pytest.raises(ValueError):  # eager: the validation itself
+        log_prob(logits, torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0]))
