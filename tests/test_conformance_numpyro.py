@@ -689,9 +689,17 @@ def test_get_args(case):
         assert bool(jnp.all(ok)), name
 
 
+def _shared_sample_shape() -> tuple[int, ...]:
+    """The sample shape of the support tests: one whose compiled sample and log_prob programs
+    the same configuration's other tests build anyway, test_dist_shape's (2,) with x64 on,
+    and with x64 off (the user configuration, where test_dist_shape does not run) the
+    moment tests' draws, which a (2,) there compiled once more for every setting."""
+    return (2,) if jax.config.read("jax_enable_x64") else (_NUM_MOMENT_SAMPLES,)
+
+
 @pytest.mark.parametrize("case", params_for("test_support", CORE_CASES))
-@pytest.mark.parametrize("prepend_shape", [(2,)])
-def test_support(case, prepend_shape):
+def test_support(case):
+    prepend_shape = _shared_sample_shape()
     d = build(case)
     support = d.support
     assert support.event_dim == len(case.event_shape)
@@ -709,7 +717,7 @@ def test_out_of_support(case):
     """Decision 6: validation on, NumPyro's own "Out-of-support values" UserWarning and
     -inf; validation off, -inf and no warning."""
     d = build(case, validate_args=True)
-    bad = out_of_support(case, d, d.sample(key(2), (2,)))
+    bad = out_of_support(case, d, d.sample(key(2), _shared_sample_shape()))
     assert not bool(jnp.any(d.support(bad)))
     with pytest.warns(UserWarning, match="Out-of-support"):
         log_prob = d.log_prob(bad)
