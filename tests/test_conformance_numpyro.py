@@ -362,7 +362,10 @@ def test_expand(case, prepend_shape, sample_shape):
 @pytest.mark.parametrize("case", params_for("test_expand_by_mask_to_event"))
 def test_expand_by_mask_to_event(case):
     d = build(case)
-    value = d.sample(key(1))
+    # The sample shape (2,) of test_dist_shape, whose compiled sample and log_prob programs
+    # this reuses (without a sample shape, a setting outside CORE_CASES compiled both again
+    # for this test and test_has_rsample alone); the mask then also broadcasts over it.
+    value = d.sample(key(1), (2,))
     log_prob = d.log_prob(value)
     by = d.expand_by((2,))
     assert by.batch_shape == (2,) + case.batch_shape
@@ -420,13 +423,17 @@ def test_has_rsample(case):
     assert dist.TransformedDistribution(d, biject_to(constraints.real)).has_rsample
     signature = inspect.signature(CLASSES[case.cls]).parameters
     assert set(type(d).reparametrized_params) <= set(signature)
-    d.rsample(key(0))
+    d.rsample(key(0), (2,))  # test_dist_shape's sample shape: its compiled program
     # Upstream also asserts `not is_discrete` for has_rsample distributions and
     # `set(arg_constraints) == set(reparametrized_params)`: neither can hold here. EKB and CP
     # are discrete with a straight-through sample gradient by design (API.md), and the
     # counts `k` (and LCN's exact constraint A, k) are parameters without a pathwise one.
 
 
+# A comparison to a tolerance: its float32 settings run with x64 off only (user_config_only,
+# tests/conftest.py), the harder case; the x64 run repeated it at the cost of compiling the
+# derivatives of every kernel once more.
+@pytest.mark.user_config_only
 @pytest.mark.parametrize("case", params_for("test_sample_gradient", ONE_PER_CLASS))
 def test_sample_gradient(case):
     """Gradient of a weighted sum of one sample w.r.t. each reparametrised parameter: right
@@ -537,6 +544,10 @@ def test_log_prob_gradient(case):
 # --- jit --------------------------------------------------------------------------------------
 
 
+# Its float32 settings run with x64 off only (user_config_only): jitted against eager values
+# to a tolerance, where x64 off is the harder case. A count traced as int64 (x64 on) is
+# compiled by test_k_max (EKB, CP), test_vmap_dist and test_promote_batch_shape.
+@pytest.mark.user_config_only
 @pytest.mark.parametrize("case", params_for("test_jit_log_likelihood", SMALL_CASES))
 # Validation on only: the checks must be skipped for tracers (decision 5); with it off the
 # computation is the same (one compilation per case is the cost of this test).
@@ -612,6 +623,10 @@ def test_mean_var(case):
         assert np.all(np.abs(sample_cov - covariance) <= 6 * scale / np.sqrt(num) + 1e-5)
 
 
+# Its float32 settings run with x64 off only (user_config_only): the entropy against a sample
+# average, to a tolerance, with no dtype to check (test_mean_var, which checks the moments'
+# dtypes, keeps its float32 run with x64 on); the float64 settings run with x64 on.
+@pytest.mark.user_config_only
 @pytest.mark.parametrize("case", params_for("test_entropy_samples", MOMENT_CASES))
 def test_entropy_samples(case):
     """Upstream's test: the entropy within 5 standard errors of ``-mean log_prob`` over the
@@ -660,7 +675,7 @@ def test_get_args(case):
         # Stored as its Cholesky factor, as MultivariateNormal stores it; that rebuilds it.
         assert "scale_tril" in args
         rebuilt = LinearConstrainedNormal(**args)
-        value = d.sample(key(0))
+        value = d.sample(key(0), (2,))  # test_dist_shape's sample shape: its programs
         np.testing.assert_allclose(rebuilt.log_prob(value), d.log_prob(value), rtol=1e-5)
     else:
         assert not missing
@@ -674,9 +689,17 @@ def test_get_args(case):
         assert bool(jnp.all(ok)), name
 
 
+def _shared_sample_shape() -> tuple[int, ...]:
+    """The sample shape of the support tests: one whose compiled sample and log_prob programs
+    the same configuration's other tests build anyway, test_dist_shape's (2,) with x64 on,
+    and with x64 off (the user configuration, where test_dist_shape does not run) the
+    moment tests' draws, which a (2,) there compiled once more for every setting."""
+    return (2,) if jax.config.read("jax_enable_x64") else (_NUM_MOMENT_SAMPLES,)
+
+
 @pytest.mark.parametrize("case", params_for("test_support", CORE_CASES))
-@pytest.mark.parametrize("prepend_shape", [(2,)])
-def test_support(case, prepend_shape):
+def test_support(case):
+    prepend_shape = _shared_sample_shape()
     d = build(case)
     support = d.support
     assert support.event_dim == len(case.event_shape)
@@ -694,7 +717,7 @@ def test_out_of_support(case):
     """Decision 6: validation on, NumPyro's own "Out-of-support values" UserWarning and
     -inf; validation off, -inf and no warning."""
     d = build(case, validate_args=True)
-    bad = out_of_support(case, d, d.sample(key(2), (2,)))
+    bad = out_of_support(case, d, d.sample(key(2), _shared_sample_shape()))
     assert not bool(jnp.any(d.support(bad)))
     with pytest.warns(UserWarning, match="Out-of-support"):
         log_prob = d.log_prob(bad)
