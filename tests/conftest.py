@@ -327,8 +327,24 @@ def _release_compiled_programs():
     A worker process keeps every program it compiled, and the suite compiles thousands (each
     float32 test twice since the user-config variant): workers grew until they crashed late in
     the full run, while the same files alone passed. The persistent compilation cache (above)
-    still serves a program that a later module compiles again.
+    still serves a program that a later module compiles again. Only once the worker holds more
+    than ``_RELEASE_ABOVE_BYTES`` (read on Linux; elsewhere after every module): a clear and a
+    collection cost about a second each time, and the next module recompiles what it shares.
     """
     yield
-    jax.clear_caches()
-    gc.collect()
+    if _resident_bytes() > _RELEASE_ABOVE_BYTES:
+        jax.clear_caches()
+        gc.collect()
+
+
+_RELEASE_ABOVE_BYTES = 3 << 30
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory (Linux's /proc), or a number above any bound where
+    that cannot be read."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return 1 << 62
