@@ -104,7 +104,7 @@ def _pad_width(table: torch.Tensor, before: int, after: int) -> torch.Tensor:
     return F.pad(table, (0, 0, 0, 0, before, after))
 
 
-# Index tensors of the windows, by (rows, columns, sign, offset, device): each is a few
+# Index tensors of the windows, by (rows, columns, sign, offset): each is a few
 # operator calls to build, and a call at n = 50 needs about 20 of them, every one of which
 # depends on sizes only.
 _INDEX_CACHE: dict = {}
