@@ -14,18 +14,28 @@ import torch
 from pyro_constrained._autograd import is_differentiated
 from pyro_constrained._ekb_terms import _OddsTangents, odds_tangents
 from pyro_constrained.exactly_k_bernoulli import ExactlyKBernoulli
+from pyro_constrained.exactly_k_tracing import static_under_trace
 
 __all__ = ["count_log_terms", "edge_probs", "new_count_tangents", "range_tangents", "unbounded"]
 
 
 def edge_probs(probs: torch.Tensor | None, logits: torch.Tensor) -> torch.Tensor | None:
     """``probs`` where they need the one-sided terms: given by the caller (``probs`` is None
-    otherwise), differentiated (either mode), with an exact 0 or 1 (an infinite logit)."""
+    otherwise), differentiated (either mode), with an exact 0 or 1 (an infinite logit), or
+    under ``torch.jit.trace`` whatever they hold."""
     if probs is None or not is_differentiated(probs):
         return None
-    if not bool((~torch.isfinite(logits)).any()):
+    # Under torch.jit.trace the terms are always built (zero where no prob is 0 or 1), as
+    # ExactlyKBernoulli's: a Python branch on the values would freeze the first call's answer.
+    if not torch.jit.is_tracing() and not bool((~torch.isfinite(logits)).any()):
         return None
     return probs
+
+
+def _static_size(size) -> int:
+    """A size as a Python int (under torch.jit.trace a traced size, which a trace fixes)."""
+    with static_under_trace():
+        return int(size)
 
 
 def count_log_terms(probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -36,8 +46,13 @@ def count_log_terms(probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     count out, the term is 0 (its log-probability is ``-inf``)."""
     n = probs.shape[-1]
     shape = torch.broadcast_shapes(counts.shape, probs.shape[:-1])
+    # A trace fixes the kernels' table size: k_max = n keeps it from following the counts
+    # of the first call (a later count, or a count set by more 1s, may be larger).
     exactly = ExactlyKBernoulli(
-        probs=probs.expand(shape + (n,)), k=counts.expand(shape), validate_args=False
+        probs=probs.expand(shape + (n,)),
+        k=counts.expand(shape),
+        k_max=_static_size(n) if torch.jit.is_tracing() else None,
+        validate_args=False,
     )
     tangents = exactly._odds_tangents
     if tangents is None:
@@ -99,7 +114,12 @@ def range_tangents(
     top = n - (logits == -torch.inf).sum(-1)  # the largest count the infinite logits allow
     first, last = torch.maximum(low, on_count), torch.minimum(high, top)
     infeasible = first > last
-    width = int((last - first).clamp(min=0).max()) + 5 if first.numel() else 5
+    if torch.jit.is_tracing():
+        # A trace fixes this size: it must hold any range, not the one that the first call's
+        # 0s and 1s leave (a later call with fewer of them needs a wider one).
+        width = _static_size(n) + 5
+    else:
+        width = int((last - first).clamp(min=0).max()) + 5 if first.numel() else 5
     step = torch.arange(width, device=logits.device).reshape((-1,) + (1,) * first.dim())
     counts = first + step - 2  # every count a shifted range (|shift| <= 2) can reach
     possible = (counts >= on_count) & (counts <= top) & ~infeasible

@@ -351,7 +351,8 @@ class CountConstrainedBernoulli(TorchDistribution):
         entropies."""
         _, in_range = self._counts
         w = self._count_weights
-        log_w = self._count_log_probs - self._log_range_prob
+        # 0 at the repeated rows (log weight -inf): a masked 0 * inf has a NaN gradient.
+        log_w = torch.where(in_range, self._count_log_probs - self._log_range_prob, 0.0)
         terms = torch.where(in_range, w * (self._stacked.entropy() - log_w), 0.0)
         entropy = terms.sum(0)
         if self._edge_tangents is not None:  # -w log w where a 0 or 1 can move
@@ -443,6 +444,7 @@ def _kl_count_constrained(p: CountConstrainedBernoulli, q: CountConstrainedBerno
     _, in_range = p._counts
     w = p._count_weights
     log_ratio = (p._count_log_probs - p._log_range_prob) - (q._count_log_probs - q._log_range_prob)
+    log_ratio = torch.where(in_range, log_ratio, 0.0)  # as in entropy: no -inf - -inf
     within = kl_divergence(p._stacked, q._stacked)
     terms = torch.where(in_range, w * (log_ratio + within), 0.0)
     kl = terms.sum(0)

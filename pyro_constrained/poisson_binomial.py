@@ -479,7 +479,9 @@ def _kl_poisson_binomial(p: PoissonBinomial, q: PoissonBinomial) -> torch.Tensor
         )
         q_above = padded.gather(-1, (last + 1).expand(shape)) > -math.inf
         q_below = padded.gather(-1, (first + 1).expand(shape)) > -math.inf
-        opens = torch.where(probs == 0, q_above, torch.where(probs == 1, q_below, True))
+        # Tensors on both sides: a traced aten::where takes no Python bool.
+        opens = torch.where(probs == 1, q_below, torch.ones_like(q_below))
+        opens = torch.where(probs == 0, q_above, opens)
         direction = edges.unbounded(probs) * torch.where(opens, -1.0, 1.0).to(probs.dtype)
         kl = kl + _infinite_slope(probs, direction)
     return kl
