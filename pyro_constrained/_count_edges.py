@@ -126,7 +126,10 @@ def range_tangents(
     safe = torch.where(possible, counts, torch.where(infeasible, 0, first))
     finite = torch.where(infeasible[..., None], 0.0, logits)
     rows = ExactlyKBernoulli(
-        logits=finite.expand((width,) + logits.shape), k=safe, validate_args=False
+        logits=finite.expand((width,) + logits.shape),
+        k=safe,
+        k_max=_static_size(n) if torch.jit.is_tracing() else None,  # as count_log_terms'
+        validate_args=False,
     )
     log_p = torch.where(possible, rows.log_constraint_prob(), -torch.inf)
     mu_rows = rows.mean

@@ -28,6 +28,7 @@ from pyro_constrained._bernoulli_arguments import (
 from pyro_constrained._ekb_terms import _infinite_slope
 from pyro_constrained._repr import parameters_repr
 from pyro_constrained.exactly_k_bernoulli import ExactlyKBernoulli
+from pyro_constrained.exactly_k_tracing import static_under_trace
 
 __all__ = ["CountConstrainedBernoulli", "CountRange"]
 
@@ -162,6 +163,12 @@ class CountConstrainedBernoulli(TorchDistribution):
                 )
         self._first, self._last = first, last
         self._infeasible = first > last
+        if torch.jit.is_tracing():
+            # A trace fixes the number of stacked counts: every count (NumPyro's form under
+            # jit), not the range that the first call's infinite logits leave.
+            with static_under_trace():
+                self._width = int(n) + 1
+            return
         width = (last - first).clamp(min=0) + 1
         self._width = int(width.max()) if width.numel() else 1
 
@@ -191,7 +198,18 @@ class CountConstrainedBernoulli(TorchDistribution):
         logits = self.logits.expand((self._width,) + self.logits.shape)
         safe = torch.where(self._infeasible, 0, counts)
         finite_logits = torch.where(self._infeasible[..., None], 0.0, logits)
-        return ExactlyKBernoulli(logits=finite_logits, k=safe, validate_args=False)
+        return ExactlyKBernoulli(
+            logits=finite_logits, k=safe, k_max=self._traced_k_max, validate_args=False
+        )
+
+    @property
+    def _traced_k_max(self) -> int | None:
+        """n under torch.jit.trace, else None: a trace fixes the kernels' table size, which
+        must not follow the counts of the first call."""
+        if not torch.jit.is_tracing():
+            return None
+        with static_under_trace():
+            return int(self.event_shape[0])
 
     @lazy_property
     def _count_log_probs(self) -> torch.Tensor:
@@ -303,7 +321,9 @@ class CountConstrainedBernoulli(TorchDistribution):
         placeholder = torch.minimum(low, high).clamp(min=0)
         k = torch.where(inside, total.round().long(), placeholder)
         logits = self.logits.expand(shape + self.event_shape)
-        within = ExactlyKBernoulli(logits=logits, k=k, validate_args=False)
+        within = ExactlyKBernoulli(
+            logits=logits, k=k, k_max=self._traced_k_max, validate_args=False
+        )
         safe = torch.where(inside[..., None], value, within.mode)
         given_count = within.log_prob(safe)
         # log P(K = k | range): the stacked row of count k.

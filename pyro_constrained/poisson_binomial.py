@@ -43,6 +43,7 @@ from pyro_constrained._bernoulli_arguments import (
 from pyro_constrained._ekb_terms import _infinite_slope
 from pyro_constrained._repr import parameters_repr
 from pyro_constrained.exactly_k_bernoulli import _softplus
+from pyro_constrained.exactly_k_tracing import static_under_trace
 
 __all__ = ["PoissonBinomial"]
 
@@ -148,10 +149,16 @@ def log_pmf_by_counts(theta: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     flip = k > m - k
     logits = torch.where(flip[:, None], _flipped(theta), theta)
     count = torch.where(flip, m - k, k)
-    rows, n = theta.shape
+    with static_under_trace():  # sizes, which a trace fixes
+        rows, n = (int(size) for size in theta.shape)
     out = theta.new_zeros(rows)
     if rows == 0 or n == 0:  # no Bernoullis: log P(K = 0) = 0
         return out.to(dtype)
+    if torch.jit.is_tracing():
+        # A trace fixes the Python control flow: one call for every row with tables of
+        # n // 2 (the largest count after the flip), as NumPyro's, not the first call's
+        # groups and largest count.
+        return _log_pmf_rows(logits, count, n // 2).to(dtype)
     # The kernels take the FFT path only if every row of a call may: rows whose tilted count
     # distribution is nearly deterministic go separately (direct sums, O(n k)).
     with torch.no_grad():
@@ -162,13 +169,18 @@ def log_pmf_by_counts(theta: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         for start in range(0, index.numel(), chunk):
             rows_c = index[start : start + chunk]
             x, c = logits[rows_c], count[rows_c]
-            k_max = int(c.max())
-            parts = kernels.normalizer_parts(x, c, k_max)
-            exact = kernels.log_constraint_prob_value(x, c, parts)
-            softplus = torch.where(x > -torch.inf, _softplus(x), 0.0).sum(-1)
-            formula = kernels.log_normalizer(x, c, k_max, parts) - softplus
-            out = out.index_put((rows_c,), exact + (formula - formula.detach()))
+            out = out.index_put((rows_c,), _log_pmf_rows(x, c, int(c.max())))
     return out.to(dtype)
+
+
+def _log_pmf_rows(x: torch.Tensor, c: torch.Tensor, k_max: int) -> torch.Tensor:
+    """``log P(K = c)`` per row of kernel logits ``x`` (float64), ``c <= k_max``: the kernels'
+    exact value with the gradient of ``log e_c - sum softplus``."""
+    parts = kernels.normalizer_parts(x, c, k_max)
+    exact = kernels.log_constraint_prob_value(x, c, parts)
+    softplus = torch.where(x > -torch.inf, _softplus(x), 0.0).sum(-1)
+    formula = kernels.log_normalizer(x, c, k_max, parts) - softplus
+    return exact + (formula - formula.detach())
 
 
 def _with_tangents(log_table: torch.Tensor, tangents: torch.Tensor) -> torch.Tensor:
@@ -195,9 +207,10 @@ class PoissonBinomial(TorchDistribution):
     for (n = 1e6 works); ``log_pmf`` (all counts) and what is built on it (``cdf``,
     ``log_cdf``, ``log_survival_function``, ``entropy``, ``mode``, KL) cost about
     ``0.4 sqrt(n)`` passes when the logits need no gradient, and one pass per count when
-    they do (moderate n only). The entries of ``log_pmf`` are accurate to about 1e-13
-    relative in float64 near each pass's target, 1e-12 at the edges of its window (the
-    numbers: benchmarks/README.md), and to float32's rounding of ``log P`` in float32.
+    they do or under ``torch.jit.trace`` (moderate n only). The entries of ``log_pmf`` are
+    accurate to about 1e-13 relative in float64 near each pass's target, 1e-12 at the edges
+    of its window (the numbers: benchmarks/README.md), and to float32's rounding of
+    ``log P`` in float32.
 
     :param logits: log-odds, shape ``batch + (n,)``; entries may be ``+-inf``.
     :param probs: probabilities in [0, 1] instead of logits (exactly one of the two).
@@ -317,7 +330,9 @@ class PoissonBinomial(TorchDistribution):
         n = self.total_count
         rows = self.batch_shape.numel()
         theta = self._kernel_logits.reshape(rows, n)
-        if is_differentiated(self.logits):
+        # Under torch.jit.trace the windows' passes (Python loops on values) would freeze:
+        # the per-count path, whose control flow a trace fixes, as under differentiation.
+        if is_differentiated(self.logits) or torch.jit.is_tracing():
             j = torch.arange(n + 1).expand(rows, n + 1)
             free = self._num_free.reshape(-1, 1)
             theta_rows = theta.repeat_interleave(n + 1, dim=0)

@@ -336,3 +336,72 @@ def test_count_constrained_bernoulli_entropy_and_kl_gradients_in_a_batch_of_rang
             expected = _one_sided(reference, probs[row])
             np.testing.assert_allclose(gradient[row].numpy(), expected, atol=1e-6, err_msg=name)
             assert float(value[row].detach()) == pytest.approx(reference(probs[row]), rel=1e-9)
+
+
+# Traced at the edge probs and a count of 1, replayed at other 0s and 1s, at none, and with
+# larger counts: the sizes the first call's 0s, 1s and counts would set (stacked counts,
+# kernel tables) must not be frozen either.
+REPLAYS = [TRACE_PROBS, [1.0, 0.2, 0.0, 0.6, 1.0], EDGE_PROBS]
+
+
+def _replay(function, first_value, values, reference):
+    """``function(probs, value)`` (a vector) traced at the edge probs and ``first_value``,
+    called at each of ``REPLAYS`` and ``values``: the eager values and gradients, and
+    ``reference(probs, value)``'s values (``nan`` entries unchecked)."""
+    x = torch.tensor(EDGE_PROBS, dtype=torch.float64, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        traced = torch.jit.trace(function, (x, first_value), check_trace=False)
+    for probs in REPLAYS:
+        for value in values:
+            x = torch.tensor(probs, dtype=torch.float64, requires_grad=True)
+            got, eager = traced(x, value), function(x, value)
+            torch.testing.assert_close(got, eager, rtol=1e-12, atol=1e-12)
+            expected = torch.as_tensor(reference(np.array(probs), value.numpy()))
+            known = ~torch.isnan(expected)
+            torch.testing.assert_close(got.detach()[known], expected[known], rtol=1e-9, atol=1e-12)
+            finite = torch.isfinite(got)
+            (gradient,) = torch.autograd.grad(got[finite].sum(), x)
+            (eager_gradient,) = torch.autograd.grad(eager[finite].sum(), x)
+            torch.testing.assert_close(gradient, eager_gradient, rtol=1e-9, atol=1e-12)
+
+
+def test_poisson_binomial_traced_at_zeros_and_ones_replays_other_probs_and_counts():
+    def quantities(probs, value):
+        d = pc.PoissonBinomial(probs=probs, validate_args=False)
+        return torch.cat([d.log_prob(value), d.log_pmf()])
+
+    vectors = _vectors()
+    totals = vectors.sum(-1).astype(int)
+
+    def reference(x, value):
+        law = np.bincount(totals, _masses(x, vectors), N + 1)
+        with np.errstate(divide="ignore"):
+            return np.log(np.concatenate([law[value.astype(int)], law]))
+
+    values = [torch.tensor([float(k)], dtype=torch.float64) for k in (1, 3, 4)]
+    _replay(quantities, values[0], values, reference)
+
+
+def test_count_constrained_bernoulli_traced_at_zeros_and_ones_replays_other_probs_and_values():
+    def quantities(probs, value):
+        d = pc.CountConstrainedBernoulli(probs=probs, low=LOW, high=HIGH, validate_args=False)
+        return torch.cat([d.log_prob(value)[None], d.log_range_prob()[None], d.mean])
+
+    every = _vectors()
+    totals = every.sum(-1)
+    vectors = every[(totals >= LOW) & (totals <= HIGH)]
+
+    def reference(x, value):
+        masses = _masses(x, vectors)
+        total = masses.sum()
+        masses = masses / total
+        with np.errstate(divide="ignore"):
+            log_prob = np.log(masses[(vectors == value).all(-1)].sum())
+        return np.concatenate([[log_prob, np.log(total)], masses @ vectors])
+
+    values = [
+        torch.tensor(v, dtype=torch.float64)
+        for v in ([0.0, 1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0, 1.0])
+    ]
+    _replay(quantities, values[0], values, reference)
