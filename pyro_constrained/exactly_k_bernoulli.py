@@ -304,7 +304,8 @@ class ExactlyKBernoulli(TorchDistribution):
         # Differentiable coefficients (log_normalizer's gradient is the marginals), so that
         # mixed second derivatives with an interior prob are right. Tables with room for
         # k_free + 2 ones: the second-order terms' coefficients.
-        size = min(self._table_size + 2, self.event_shape[0])
+        with static_under_trace():  # a size, which a trace fixes (else a traced tensor)
+            size = min(self._table_size + 2, int(self.event_shape[0]))
         r, neighbours = {}, {}
         for step in (-2, -1, 1, 2):
             r[step], k = self._count_ratio(step, size)
