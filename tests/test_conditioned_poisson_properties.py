@@ -732,6 +732,7 @@ def _library_scalars(module, losses, rate, other, k, target, kl, value):
 
 
 # 5 drawn examples and the one kept below: each new (k, dtype) compiles NumPyro's Jacobian.
+@pytest.mark.slow
 @settings(max_examples=5)
 @given(case=gradient_cases())
 @example(case=(np.array([1.0, 10**0.5, 1e6]), np.array([1.0, 14.1473865, 1e6]), 5, np.zeros(3)))

@@ -19,6 +19,7 @@ import torch
 import numpyro_constrained as nc
 import pyro_constrained as pc
 from tests.oracles import exactly_k as exactly_k_oracle
+from tests.slow import framework_dtype_params
 
 FRAMEWORKS = ["torch", "jax"]
 DTYPES = ["float32", "float64"]
@@ -140,8 +141,7 @@ def _array(module, x, like):
 
 
 @pytest.mark.user_config_only
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("framework, dtype", framework_dtype_params())
 def test_poisson_binomial_one_sided_derivatives(framework, dtype):
     """PoissonBinomial: log_prob of each possible count, log_pmf, cdf / log_cdf /
     log_survival_function at every count, mean, variance, entropy, KL in p and in q (q with
@@ -221,8 +221,7 @@ def test_poisson_binomial_one_sided_derivatives(framework, dtype):
 
 
 @pytest.mark.user_config_only
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("framework, dtype", framework_dtype_params())
 def test_count_constrained_bernoulli_one_sided_derivatives(framework, dtype):
     """CountConstrainedBernoulli(low=2, high=4): log_prob of a value, log_range_prob, the
     marginals, variance and expected L2 loss, count_distribution, entropy, KL in p and in q
@@ -332,7 +331,7 @@ def test_exactly_k_kl_counts_the_variables_p_forces_and_q_leaves_free(framework)
         assert abs(float(kl) - expected) <= 1e-12 * max(1.0, expected), (k, float(kl), expected)
 
 
-@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("framework", ["torch", pytest.param("jax", marks=pytest.mark.slow)])
 def test_exactly_k_hessians_of_mean_and_variance_at_probs_of_exactly_zero_and_one(framework):
     """Issue 29: the marginals' odds terms were first order only, so the Hessians in
     ``probs`` of ``mean`` and ``variance`` were wrong in every entry that involves an exact

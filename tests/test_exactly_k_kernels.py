@@ -348,7 +348,7 @@ def _torch_direct(monkeypatch, logits, ks, k_max):
         return _run("torch", logits, ks, k_max)
 
 
-@pytest.mark.parametrize("framework", ["torch", "jax"])
+@pytest.mark.parametrize("framework", ["torch", pytest.param("jax", marks=pytest.mark.slow)])
 def test_fft_path_matches_log_space_recursion_and_direct_path(framework, monkeypatch):
     logits, ks = _fft_problem()
     module = torch_kernels if framework == "torch" else jax_kernels
@@ -463,7 +463,12 @@ def _jax_tree(logits, ks, k_max, for_marginals):
 
 
 @pytest.mark.parametrize(
-    "k_max, ks", [(64, [20, 40, 64]), (256, [130, 200, 256]), (512, [300, 400, 500])]
+    "k_max, ks",
+    [
+        (64, [20, 40, 64]),
+        pytest.param(256, [130, 200, 256], marks=pytest.mark.slow),
+        pytest.param(512, [300, 400, 500], marks=pytest.mark.slow),
+    ],
 )
 def test_jax_top_levels_loop_matches_the_recursion_and_the_direct_path(monkeypatch, k_max, ks):
     """n = 2600 (bucket 3072) with k_max 64, 256 and 512: the top levels, all k_max + 1 wide,

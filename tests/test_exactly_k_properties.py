@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from numpyro_constrained import ExactlyKBernoulli as JaxExactlyKBernoulli
 from pyro_constrained import ExactlyKBernoulli as TorchExactlyKBernoulli
 from tests.oracles import exactly_k as oracle
+from tests.slow import framework_dtype_params
 
 TOLERANCE = {"float32": 2e-5, "float64": 1e-10}
 FRAMEWORKS = ["torch", "jax"]
@@ -98,7 +99,7 @@ def test_every_quantity_matches_exact_enumeration_torch(dtype, logits, data):
 # ties the two packages on the strategy's full set of examples.
 @pytest.mark.user_config_only
 @settings(max_examples=12)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("float64", marks=pytest.mark.slow)])
 @given(logits=adversarial_logits(), data=st.data())
 def test_every_quantity_matches_exact_enumeration_jax(dtype, logits, data):
     _check_every_quantity("jax", dtype, logits, data)
@@ -355,8 +356,7 @@ def _jax_gradients(theta, other, z, weights, target, k: int):
 
 
 @pytest.mark.user_config_only
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("framework, dtype", framework_dtype_params())
 @given(logits=adversarial_logits(max_n=6), data=st.data())
 def test_gradients_match_enumeration(framework, dtype, logits, data):
     """Gradients of log_prob, entropy, log_constraint_prob, the marginals, the variance, the
@@ -526,8 +526,7 @@ def _probs_gradients(framework, dtype, probs, q_probs, q_same, k: int, z, weight
 
 
 @pytest.mark.user_config_only
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("framework, dtype", framework_dtype_params())
 @pytest.mark.parametrize("k", [1, 4])
 def test_probs_of_exactly_zero_and_one_have_their_one_sided_derivatives(framework, dtype, k):
     """``probs`` with an exact 0 and an exact 1 (the everyday way to exclude or force an
@@ -656,7 +655,7 @@ def _polynomial_log_pmf_and_normalizer(probs: np.ndarray, k: int, z: np.ndarray)
     return math.log(weights[tuple(z)]) - math.log(normalizer), math.log(normalizer)
 
 
-@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("framework", ["torch", pytest.param("jax", marks=pytest.mark.slow)])
 def test_second_derivatives_at_probs_of_exactly_zero_and_one(framework):
     """Issue 29: Hessians in ``probs`` of log_prob and log_constraint_prob at exact 0s and 1s
     were 0 in every entry that involves them (the derivatives there were first-order

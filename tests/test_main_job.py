@@ -61,7 +61,10 @@ def _run_main(package):
     )
 
 
-@pytest.mark.parametrize("package", PACKAGES)
+# NumPyro's is a fresh process that compiles every program anew (about 18 s).
+@pytest.mark.parametrize(
+    "package", ["pyro_constrained", pytest.param("numpyro_constrained", marks=pytest.mark.slow)]
+)
 def test_main_job_prints_a_passing_results_table(package):
     run = _run_main(package)
     assert run.returncode == 0, run.stdout + run.stderr
