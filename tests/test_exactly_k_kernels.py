@@ -425,7 +425,7 @@ def test_jax_normalizer_and_draws_of_nearly_deterministic_rows_take_the_fft_path
     assert np.array_equal(samples, np.broadcast_to(mode, samples.shape).astype(float))
 
 
-@pytest.mark.parametrize("framework", ["torch", "jax"])
+@pytest.mark.parametrize("framework", ["torch", pytest.param("jax", marks=pytest.mark.slow)])
 def test_fft_path_samples_are_exact_and_match_the_marginals(framework):
     """4000 draws on the FFT path: exactly k ones, never a -inf or -1e4 logit, always the
     +1e4 ones, and every coordinate's frequency within 5 binomial standard errors of its
