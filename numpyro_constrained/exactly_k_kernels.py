@@ -128,8 +128,9 @@ def _cut(out: jax.Array, n: int | None) -> jax.Array:
 def normalizer_parts(logits: jax.Array, k: jax.Array, k_max: int) -> NormalizerParts:
     """The parts of ``log e_k(exp logits)`` (see ``NormalizerParts``), from one upward pass."""
     logits, k_max, _ = _to_bucket(logits, k_max)
-    if _small.applies(logits, k_max):  # small n: see exactly_k_small
-        return NormalizerParts(*_small.normalizer_parts(logits, k, k_max))
+    # Not the small path, whatever the size: under jit its log-space upward pass (an exp
+    # and a log per window term) made log_prob plus gradient slower than these kernels at
+    # every size measured but batch 1, n = 10 (benchmarks/README.md, "Small sites").
     return _normalizer_parts(logits, k, k_max)
 
 

@@ -32,10 +32,6 @@ def applies(logits: jax.Array, k_max: int) -> bool:
     return k_max > 0 and n <= SMALL_N and batch * n * (k_max + 1) <= SMALL_ENTRIES
 
 
-def _wide(dtype):
-    return jnp.promote_types(dtype, jnp.float64) if jax.config.jax_enable_x64 else dtype
-
-
 def tilt(logits: jax.Array, k: jax.Array, k_max: int) -> jax.Array:
     """``-(x_(k) + x_(k+1)) / 2`` per row, shape ``(batch, 1)`` (see the torch module)."""
     logits = lax.stop_gradient(logits)
@@ -94,10 +90,9 @@ def _logsumexp(terms):
 
 
 def _shift(table):
-    """The table less a whole multiple e of log 2 near its largest entry, and e."""
+    """The table less a whole multiple of log 2 near its largest entry (per node)."""
     top = lax.stop_gradient(jnp.maximum(table.max(0, keepdims=True), jnp.finfo(table.dtype).min))
-    exponent = jnp.floor(top / _LN2)
-    return table - exponent * _LN2, exponent
+    return table - jnp.floor(top / _LN2) * _LN2
 
 
 def _halves(table):
@@ -106,19 +101,17 @@ def _halves(table):
 
 
 def _upward(leaves, k_max: int):
-    """Tables leaves first, root last; softmax weights per level; the sum of the shift
-    exponents, shape (batch,)."""
+    """Tables leaves first, root last (each less a multiple of log 2 per node, which the
+    marginals' ratios and the sampler's splits do not see); softmax weights per level."""
     tables, weights_list = [leaves], []
-    exponent = jnp.zeros(leaves.shape[1], _wide(leaves.dtype))
     table = leaves
     while table.shape[-1] > 1:
         out_width = min(2 * table.shape[0] - 1, k_max + 1)
         table, weights = _logsumexp(_convolve_terms(*_halves(table), out_width))
-        table, shift = _shift(table)
-        exponent = exponent + shift[0].astype(exponent.dtype).sum(-1)
+        table = _shift(table)
         tables.append(table)
         weights_list.append(weights)
-    return tables, weights_list, exponent
+    return tables, weights_list
 
 
 def _siblings(table):
@@ -134,7 +127,7 @@ def _downward(tables, k):
     for table in reversed(tables[:-1]):
         parent = jnp.concatenate([outside, outside], -1)
         outside, weights = _logsumexp(_correlate_terms(parent, _siblings(table)))
-        outside = _shift(outside)[0]
+        outside = _shift(outside)
         weights_list.append(weights)
     return outside, weights_list
 
@@ -148,7 +141,7 @@ def _prepare(logits, k, k_max: int):
 
 def _forward(logits, k, k_max: int):
     n = logits.shape[-1]
-    _, x, leaves, (tables, up_weights, _) = _prepare(logits, k, k_max)
+    _, x, leaves, (tables, up_weights) = _prepare(logits, k, k_max)
     outside, down_weights = _downward(tables, k)
     log_odds = (leaves[1] - leaves[0] + outside[1] - outside[0])[:, :n]
     return x, tables, up_weights, down_weights, log_odds
@@ -206,20 +199,6 @@ def marginals_and_complements(logits, k, k_max: int):
 @partial(jax.jit, static_argnames="k_max")
 def marginals(logits, k, k_max: int):
     return _marginal_pair(*_flatten(logits, k), k_max)[0].reshape(logits.shape)
-
-
-@partial(jax.jit, static_argnames="k_max")
-def normalizer_parts(logits, k, k_max: int):
-    """(tilt, log_reduced, log_root, exponent), shape ``batch`` (see
-    ``exactly_k_kernels.NormalizerParts``), from one upward pass."""
-    flat_logits, flat_k = _flatten(lax.stop_gradient(logits), k)
-    c, _, _, (tables, _, exponent) = _prepare(flat_logits, flat_k, k_max)
-    wide = exponent.dtype
-    root_k = jnp.take_along_axis(tables[-1][:, :, 0], flat_k[None], 0)[0]
-    log_root = root_k.astype(wide)
-    log_reduced = log_root + exponent * _LN2
-    parts = (c[:, 0].astype(wide), log_reduced, log_root, exponent)
-    return tuple(lax.stop_gradient(t.reshape(logits.shape[:-1])) for t in parts)
 
 
 def _draw(key, tables, k, num_samples: int):

@@ -33,7 +33,8 @@ def test_float32_tables_keep_a_small_k_next_to_a_large_one():
     for logits in (np.zeros((2, n), np.float32), rng.normal(size=(2, n)).astype(np.float32)):
         x = jnp.asarray(logits)
         assert small.applies(jnp.zeros((2, 256)), 64)  # n = 200's bucket: the small path
-        # The parts from the dispatch (the small path), as the distribution's log_prob.
+        # The parts from the dispatch (the general kernels), as the distribution's log_prob;
+        # the marginals below from the small path.
         parts = exactly_k_kernels.normalizer_parts(x, jnp.asarray(ks), 64)
         log_z = exactly_k_kernels.log_normalizer(x, jnp.asarray(ks), 64, parts)
         expected = [_log_e(logits[row].astype(np.float64), int(ks[row])) for row in (0, 1)]
