@@ -3,7 +3,9 @@ problems"); the mirror of ``pyro_constrained/exactly_k_small.py``, whose docstri
 the method.
 
 Chosen by ``exactly_k_kernels`` (``applies``) for small n after its padding to a bucket of
-sizes, on flattened ``(batch, n)`` logits (finite or ``-inf``) and integer ``k``. Every
+sizes, on flattened ``(batch, n)`` logits (finite or ``-inf``) and integer ``k``, for the
+marginals and the samplers; unlike the torch module it has no ``normalizer_parts``: the log
+normaliser takes the general kernels at every size (see ``exactly_k_kernels``). Every
 function here is jitted; the derivatives are ``custom_jvp`` rules over the tables of the
 forward pass (the tangent pass), written so that JAX can differentiate them again.
 """
