@@ -18,6 +18,7 @@ import torch
 
 import numpyro_constrained as nc
 import pyro_constrained as pc
+from tests.oracles import binary_vectors as vectors_oracle
 from tests.oracles import exactly_k as exactly_k_oracle
 from tests.slow import framework_dtype_params
 
@@ -32,43 +33,11 @@ Q_PROBS = np.array([0.4, 0.9, 0.5, 0.1, 0.7, 0.3])
 WEIGHTS = np.array([0.5, -1.0, 2.0, 0.3, -0.7, 0.4])
 
 
-def _vectors(n: int) -> np.ndarray:
-    return np.array(list(itertools.product([0.0, 1.0], repeat=n)))
-
-
-def _weights_of(probs: np.ndarray, vectors: np.ndarray) -> np.ndarray:
-    return np.prod(np.where(vectors == 1, probs, 1 - probs), axis=-1)
-
-
 def _count_law(probs: np.ndarray) -> np.ndarray:
-    vectors = _vectors(len(probs))
-    return np.bincount(vectors.sum(-1).astype(int), _weights_of(probs, vectors), len(probs) + 1)
-
-
-def _entropy(masses: np.ndarray) -> float:
-    masses = masses[masses > 0]
-    return float(-(masses * np.log(masses)).sum())
-
-
-def _kl(p_masses: np.ndarray, q_masses: np.ndarray) -> float:
-    keep = p_masses > 0
-    return float((p_masses[keep] * np.log(p_masses[keep] / q_masses[keep])).sum())
-
-
-def _one_sided(function, x: np.ndarray, step: float = 1e-6) -> np.ndarray:
-    """Derivatives of a scalar function: central differences inside (0, 1), one-sided
-    second-order ones at exact 0 (forward) and 1 (backward)."""
-    out = np.zeros(len(x))
-    for i in range(len(x)):
-        e = np.eye(len(x))[i] * step
-        if 0 < x[i] < 1:
-            out[i] = (function(x + e) - function(x - e)) / (2 * step)
-        else:
-            h = e if x[i] == 0 else -e
-            out[i] = (-3 * function(x) + 4 * function(x + h) - function(x + 2 * h)) / (
-                2 * step * np.sign(h.sum())
-            )
-    return out
+    vectors = vectors_oracle.all_vectors(len(probs))
+    return np.bincount(
+        vectors.sum(-1).astype(int), vectors_oracle.masses(probs, vectors), len(probs) + 1
+    )
 
 
 def _check(name, got, expected, dtype, infinite=None):
@@ -203,14 +172,16 @@ def test_poisson_binomial_one_sided_derivatives(framework, dtype):
             if name == "variance":
                 return law @ np.arange(n + 1.0) ** 2 - (law @ np.arange(n + 1.0)) ** 2
             if name == "entropy":
-                return _entropy(law)
+                return vectors_oracle.entropy(law)
             if name == "kl":
-                return _kl(law, _count_law(q_free))
+                return vectors_oracle.kl(law, _count_law(q_free))
             raise AssertionError(name)
 
         if name == "kl_q":
-            return _one_sided(lambda y: _kl(_count_law(p), _count_law(y)), q)
-        return _one_sided(at, p)
+            return vectors_oracle.one_sided_derivatives(
+                lambda y: vectors_oracle.kl(_count_law(p), _count_law(y)), q
+            )
+        return vectors_oracle.one_sided_derivatives(at, p)
 
     edges = np.where(p == 0, 1.0, np.where(p == 1, -1.0, 0.0))
     for name, gradient in got.items():
@@ -263,13 +234,13 @@ def test_count_constrained_bernoulli_one_sided_derivatives(framework, dtype):
         return values
 
     got = _library_gradients(framework, dtype, build, outputs, p, q)
-    vectors = _vectors(n)
+    vectors = vectors_oracle.all_vectors(n)
     inside = (vectors.sum(-1) >= low) & (vectors.sum(-1) <= high)
     vectors = vectors[inside]
     totals = vectors.sum(-1).astype(int)
 
     def law(x):
-        masses = _weights_of(x, vectors)
+        masses = vectors_oracle.masses(x, vectors)
         return masses / masses.sum(), masses.sum()
 
     def quantity(name, x):
@@ -288,17 +259,21 @@ def test_count_constrained_bernoulli_one_sided_derivatives(framework, dtype):
         if name == "count_distribution":
             return np.bincount(totals, masses, n + 1) @ powers
         if name == "entropy":
-            return _entropy(masses)
+            return vectors_oracle.entropy(masses)
         if name == "kl":
-            return _kl(masses, law(q_free)[0])
+            return vectors_oracle.kl(masses, law(q_free)[0])
         raise AssertionError(name)
 
     edges = np.where(p == 0, 1.0, np.where(p == 1, -1.0, 0.0))
     for name, gradient in got.items():
         if name == "kl_q":
-            expected = _one_sided(lambda y: _kl(law(p)[0], law(y)[0]), q)
+            expected = vectors_oracle.one_sided_derivatives(
+                lambda y: vectors_oracle.kl(law(p)[0], law(y)[0]), q
+            )
         else:
-            expected = _one_sided(lambda x, name=name: quantity(name, x), p)
+            expected = vectors_oracle.one_sided_derivatives(
+                lambda x, name=name: quantity(name, x), p
+            )
         infinite = {"entropy": edges, "kl": -edges}.get(name)
         _check(name, gradient, expected, dtype, infinite)
 
@@ -310,12 +285,12 @@ def test_exactly_k_kl_counts_the_variables_p_forces_and_q_leaves_free(framework)
     here) it was 0.2 below the enumerated KL. Against enumeration of the 4-hot vectors."""
     p_logits = np.array([-np.inf, np.inf, -0.8, 0.4, -1.4, -np.inf])
     q_logits = np.array([-0.4, 2.2, 0.0, -2.2, 0.8, -0.8])
-    vectors = _vectors(6)
+    vectors = vectors_oracle.all_vectors(6)
     for k in (2, 4):
         support = vectors[vectors.sum(-1) == k]
-        p_weights = _weights_of(1 / (1 + np.exp(-p_logits)), support)
-        q_weights = _weights_of(1 / (1 + np.exp(-q_logits)), support)
-        expected = _kl(p_weights / p_weights.sum(), q_weights / q_weights.sum())
+        p_weights = vectors_oracle.masses(1 / (1 + np.exp(-p_logits)), support)
+        q_weights = vectors_oracle.masses(1 / (1 + np.exp(-q_logits)), support)
+        expected = vectors_oracle.kl(p_weights / p_weights.sum(), q_weights / q_weights.sum())
         if framework == "torch":
             kl = torch.distributions.kl_divergence(
                 pc.ExactlyKBernoulli(logits=torch.tensor(p_logits), k=k),
@@ -346,7 +321,7 @@ def test_exactly_k_hessians_of_mean_and_variance_at_probs_of_exactly_zero_and_on
     )
 
     def enumerated(p):
-        masses = _weights_of(p, rows)
+        masses = vectors_oracle.masses(p, rows)
         mu = (masses / masses.sum()) @ rows
         return np.array([mu @ weights, (mu * (1 - mu)) @ weights])
 

@@ -6,7 +6,6 @@ interior probs, called with 0s and 1s, must give the eager values and derivative
 reference is brute-force enumeration of the 2^n vectors, written here, differentiated by
 one-sided differences (``p + h`` at a 0, ``p - h`` at a 1)."""
 
-import itertools
 import os
 import warnings
 
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 import pyro_constrained as pc
+from tests.oracles import binary_vectors as oracle
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated:DeprecationWarning")
 
@@ -33,40 +33,6 @@ WEIGHTS = [0.5, -1.0, 2.0, 0.3, -0.7]
 LOW, HIGH, HIGH_KL = 1, 4, 3
 K = 2
 LARGEST = float(np.finfo(np.float64).max)
-
-
-def _vectors() -> np.ndarray:
-    return np.array(list(itertools.product([0.0, 1.0], repeat=N)))
-
-
-def _masses(x: np.ndarray, vectors: np.ndarray) -> np.ndarray:
-    return np.prod(np.where(vectors == 1, x, 1 - x), axis=-1)
-
-
-def _entropy(masses: np.ndarray) -> float:
-    kept = masses[masses > 0]
-    return float(-(kept * np.log(kept)).sum())
-
-
-def _kl(p: np.ndarray, q: np.ndarray) -> float:
-    kept = p > 0
-    return float((p[kept] * np.log(p[kept] / q[kept])).sum())
-
-
-def _one_sided(function, x: np.ndarray, step: float = 1e-6) -> np.ndarray:
-    """Derivatives of a scalar function: central differences inside (0, 1), second-order
-    one-sided ones at an exact 0 (forward) and 1 (backward)."""
-    out = np.zeros(len(x))
-    for i in range(len(x)):
-        e = np.eye(len(x))[i] * step
-        if 0 < x[i] < 1:
-            out[i] = (function(x + e) - function(x - e)) / (2 * step)
-        else:
-            sign = 1.0 if x[i] == 0 else -1.0
-            h = sign * e
-            slope = -3 * function(x) + 4 * function(x + h) - function(x + 2 * h)
-            out[i] = slope / (2 * step * sign)
-    return out
 
 
 def _trace(function):
@@ -105,7 +71,7 @@ def _check_against_eager_and_reference(function, names, reference, infinite):
         assert float(got[i].detach()) == pytest.approx(
             reference(name, point), rel=1e-9, abs=1e-12
         ), name
-        expected = _one_sided(lambda y, name=name: reference(name, y), point)
+        expected = oracle.one_sided_derivatives(lambda y, name=name: reference(name, y), point)
         gradient = gradient.numpy()
         moves = infinite.get(name, np.zeros(N)) != 0
         if moves.any():
@@ -154,11 +120,11 @@ def test_poisson_binomial_traced_with_interior_probs_keeps_the_one_sided_derivat
             ]
         )
 
-    vectors = _vectors()
+    vectors = oracle.all_vectors(N)
     totals = vectors.sum(-1).astype(int)
 
     def law(x):
-        return np.bincount(totals, _masses(x, vectors), N + 1)
+        return np.bincount(totals, oracle.masses(x, vectors), N + 1)
 
     def reference(name, x):
         kind, _, number = name.partition(" ")
@@ -174,9 +140,9 @@ def test_poisson_binomial_traced_with_interior_probs_keeps_the_one_sided_derivat
         if kind == "variance":
             return masses @ j**2 - (masses @ j) ** 2
         if kind == "entropy":
-            return _entropy(masses)
+            return oracle.entropy(masses)
         if kind == "kl":
-            return _kl(masses, law(np.array(Q_FREE)))
+            return oracle.kl(masses, law(np.array(Q_FREE)))
         raise AssertionError(name)
 
     # Moving a 0 (1) opens the count above (below) the range of K: -w log w in the entropy,
@@ -213,12 +179,12 @@ def test_count_constrained_bernoulli_traced_with_interior_probs_keeps_the_one_si
         ]
         return torch.stack(values)
 
-    every = _vectors()
+    every = oracle.all_vectors(N)
 
     def law(x, high=HIGH):
         totals = every.sum(-1)
         vectors = every[(totals >= LOW) & (totals <= high)]
-        masses = _masses(x, vectors)
+        masses = oracle.masses(x, vectors)
         return masses / masses.sum(), masses.sum(), vectors
 
     def reference(name, x):
@@ -236,11 +202,11 @@ def test_count_constrained_bernoulli_traced_with_interior_probs_keeps_the_one_si
         if name == "count_distribution":
             return np.bincount(totals, masses, N + 1) @ powers
         if name == "entropy":
-            return _entropy(masses)
+            return oracle.entropy(masses)
         if name == "kl":
-            return _kl(law(x, HIGH_KL)[0], law(np.array(Q_FREE), HIGH_KL)[0])
+            return oracle.kl(law(x, HIGH_KL)[0], law(np.array(Q_FREE), HIGH_KL)[0])
         if name == "kl_q":
-            return _kl(law(np.array(P_SAME_EDGES), HIGH_KL)[0], law(x, HIGH_KL)[0])
+            return oracle.kl(law(np.array(P_SAME_EDGES), HIGH_KL)[0], law(x, HIGH_KL)[0])
         raise AssertionError(name)
 
     infinite = {"entropy": EDGE_SIGNS, "kl": -EDGE_SIGNS}
@@ -272,11 +238,11 @@ def test_exactly_k_bernoulli_traced_with_interior_probs_keeps_the_one_sided_deri
         ]
         return torch.stack(values)
 
-    vectors = _vectors()
+    vectors = oracle.all_vectors(N)
     vectors = vectors[vectors.sum(-1) == K]
 
     def law(x):
-        masses = _masses(x, vectors)
+        masses = oracle.masses(x, vectors)
         return masses / masses.sum(), masses.sum()
 
     def reference(name, x):
@@ -291,11 +257,11 @@ def test_exactly_k_bernoulli_traced_with_interior_probs_keeps_the_one_sided_deri
         if name == "variance":
             return (mu * (1 - mu)) @ WEIGHTS
         if name == "entropy":
-            return _entropy(masses)
+            return oracle.entropy(masses)
         if name == "kl":
-            return _kl(masses, law(np.array(Q_FREE))[0])
+            return oracle.kl(masses, law(np.array(Q_FREE))[0])
         if name == "kl_q":
-            return _kl(law(np.array(P_SAME_EDGES))[0], masses)
+            return oracle.kl(law(np.array(P_SAME_EDGES))[0], masses)
         raise AssertionError(name)
 
     infinite = {"entropy": EDGE_SIGNS, "kl": -EDGE_SIGNS}
@@ -319,21 +285,21 @@ def test_count_constrained_bernoulli_entropy_and_kl_gradients_in_a_batch_of_rang
 
     entropy = build(x).entropy()
     kl = torch.distributions.kl_divergence(build(x), build(q))
-    every = _vectors()
+    every = oracle.all_vectors(N)
     for row in range(2):
         inside = (every.sum(-1) >= lows[row]) & (every.sum(-1) <= highs[row])
 
         def law(y, inside=inside):
-            masses = _masses(y, every[inside])
+            masses = oracle.masses(y, every[inside])
             return masses / masses.sum()
 
         references = {
-            "entropy": (entropy, lambda y: _entropy(law(y))),
-            "kl": (kl, lambda y, law=law: _kl(law(y), law(np.array(Q_FREE)))),
+            "entropy": (entropy, lambda y: oracle.entropy(law(y))),
+            "kl": (kl, lambda y, law=law: oracle.kl(law(y), law(np.array(Q_FREE)))),
         }
         for name, (value, reference) in references.items():
             (gradient,) = torch.autograd.grad(value[row], x, retain_graph=True)
-            expected = _one_sided(reference, probs[row])
+            expected = oracle.one_sided_derivatives(reference, probs[row])
             np.testing.assert_allclose(gradient[row].numpy(), expected, atol=1e-6, err_msg=name)
             assert float(value[row].detach()) == pytest.approx(reference(probs[row]), rel=1e-9)
 
@@ -371,11 +337,11 @@ def test_poisson_binomial_traced_at_zeros_and_ones_replays_other_probs_and_count
         d = pc.PoissonBinomial(probs=probs, validate_args=False)
         return torch.cat([d.log_prob(value), d.log_pmf()])
 
-    vectors = _vectors()
+    vectors = oracle.all_vectors(N)
     totals = vectors.sum(-1).astype(int)
 
     def reference(x, value):
-        law = np.bincount(totals, _masses(x, vectors), N + 1)
+        law = np.bincount(totals, oracle.masses(x, vectors), N + 1)
         with np.errstate(divide="ignore"):
             return np.log(np.concatenate([law[value.astype(int)], law]))
 
@@ -388,12 +354,12 @@ def test_count_constrained_bernoulli_traced_at_zeros_and_ones_replays_other_prob
         d = pc.CountConstrainedBernoulli(probs=probs, low=LOW, high=HIGH, validate_args=False)
         return torch.cat([d.log_prob(value)[None], d.log_range_prob()[None], d.mean])
 
-    every = _vectors()
+    every = oracle.all_vectors(N)
     totals = every.sum(-1)
     vectors = every[(totals >= LOW) & (totals <= HIGH)]
 
     def reference(x, value):
-        masses = _masses(x, vectors)
+        masses = oracle.masses(x, vectors)
         total = masses.sum()
         masses = masses / total
         with np.errstate(divide="ignore"):
