@@ -16,7 +16,14 @@ from pyro_constrained._ekb_terms import _OddsTangents, odds_tangents
 from pyro_constrained.exactly_k_bernoulli import ExactlyKBernoulli
 from pyro_constrained.exactly_k_tracing import static_under_trace
 
-__all__ = ["count_log_terms", "edge_probs", "new_count_tangents", "range_tangents", "unbounded"]
+__all__ = [
+    "count_log_terms",
+    "edge_probs",
+    "new_count_tangents",
+    "range_tangents",
+    "traced_k_max",
+    "unbounded",
+]
 
 
 def edge_probs(probs: torch.Tensor | None, logits: torch.Tensor) -> torch.Tensor | None:
@@ -38,6 +45,14 @@ def _static_size(size) -> int:
         return int(size)
 
 
+def traced_k_max(n) -> int | None:
+    """The kernels' table size for ``ExactlyKBernoulli(..., k_max=...)``: n under
+    torch.jit.trace, else None (sized by the counts). A trace fixes the table size, which
+    must not follow the counts of the first call: a later count, or a count set by more 1s,
+    may be larger."""
+    return _static_size(n) if torch.jit.is_tracing() else None
+
+
 def count_log_terms(probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Zeros of ``counts``' broadcast shape with ``probs.shape[:-1]`` whose derivatives in
     the probs at exactly 0 and 1 are the one-sided ones of ``log P(K = counts)`` (to second
@@ -46,12 +61,10 @@ def count_log_terms(probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     count out, the term is 0 (its log-probability is ``-inf``)."""
     n = probs.shape[-1]
     shape = torch.broadcast_shapes(counts.shape, probs.shape[:-1])
-    # A trace fixes the kernels' table size: k_max = n keeps it from following the counts
-    # of the first call (a later count, or a count set by more 1s, may be larger).
     exactly = ExactlyKBernoulli(
         probs=probs.expand(shape + (n,)),
         k=counts.expand(shape),
-        k_max=_static_size(n) if torch.jit.is_tracing() else None,
+        k_max=traced_k_max(n),
         validate_args=False,
     )
     tangents = exactly._odds_tangents
@@ -128,7 +141,7 @@ def range_tangents(
     rows = ExactlyKBernoulli(
         logits=finite.expand((width,) + logits.shape),
         k=safe,
-        k_max=_static_size(n) if torch.jit.is_tracing() else None,  # as count_log_terms'
+        k_max=traced_k_max(n),
         validate_args=False,
     )
     log_p = torch.where(possible, rows.log_constraint_prob(), -torch.inf)

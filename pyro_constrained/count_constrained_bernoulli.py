@@ -199,17 +199,11 @@ class CountConstrainedBernoulli(TorchDistribution):
         safe = torch.where(self._infeasible, 0, counts)
         finite_logits = torch.where(self._infeasible[..., None], 0.0, logits)
         return ExactlyKBernoulli(
-            logits=finite_logits, k=safe, k_max=self._traced_k_max, validate_args=False
+            logits=finite_logits,
+            k=safe,
+            k_max=edges.traced_k_max(self.event_shape[0]),
+            validate_args=False,
         )
-
-    @property
-    def _traced_k_max(self) -> int | None:
-        """n under torch.jit.trace, else None: a trace fixes the kernels' table size, which
-        must not follow the counts of the first call."""
-        if not torch.jit.is_tracing():
-            return None
-        with static_under_trace():
-            return int(self.event_shape[0])
 
     @lazy_property
     def _count_log_probs(self) -> torch.Tensor:
@@ -322,7 +316,7 @@ class CountConstrainedBernoulli(TorchDistribution):
         k = torch.where(inside, total.round().long(), placeholder)
         logits = self.logits.expand(shape + self.event_shape)
         within = ExactlyKBernoulli(
-            logits=logits, k=k, k_max=self._traced_k_max, validate_args=False
+            logits=logits, k=k, k_max=edges.traced_k_max(self.event_shape[0]), validate_args=False
         )
         safe = torch.where(inside[..., None], value, within.mode)
         given_count = within.log_prob(safe)
