@@ -1,6 +1,7 @@
 """ConditionedPoisson against torch.distributions.Multinomial, same inputs, same run.
 
-Run from the repository root: ``python -m benchmarks.conditioned_poisson``.
+Run from the repository root: ``python -m benchmarks.conditioned_poisson`` (``--device
+cuda`` runs both packages on the accelerator: ``benchmarks/devices.py``).
 
 Times ``entropy``, ``log_prob`` and ``sample`` for batch 256, n = 1000, k = 100 (best of
 several repeats, one thread), prints each ratio Multinomial / ConditionedPoisson (above 1:
@@ -9,12 +10,13 @@ ConditionedPoisson is faster), then compares the entropies' accuracy against
 jitted NumPyro version as well.
 """
 
-import time
+import argparse
 
 import numpy as np
 import torch
 from scipy import stats
 
+from benchmarks import devices
 from pyro_constrained import ConditionedPoisson
 
 BATCH, N, K = 256, 1000, 100
@@ -23,13 +25,7 @@ ACCURACY_ROWS = 8
 
 
 def best_time(function, repeats=REPEATS):
-    function()  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        best = min(best, time.perf_counter() - start)
-    return best
+    return devices.best_time(function, repeats)
 
 
 def torch_comparison(dtype):
@@ -55,13 +51,13 @@ def torch_comparison(dtype):
 
 def accuracy(ours, reference):
     rate = ours.rate.double()
-    probs = (rate / rate.sum(-1, keepdim=True)).numpy()
+    probs = (rate / rate.sum(-1, keepdim=True)).cpu().numpy()
     exact = np.array([stats.multinomial(K, p).entropy() for p in probs[:ACCURACY_ROWS]])
     for name, values in [
         ("ConditionedPoisson", ours.entropy()),
         ("Multinomial", reference.entropy()),
     ]:
-        error = np.abs(values[:ACCURACY_ROWS].double().numpy() - exact) / np.abs(exact)
+        error = np.abs(values[:ACCURACY_ROWS].double().cpu().numpy() - exact) / np.abs(exact)
         print(f"  {name:18s} max relative error vs scipy: {error.max():.2e}")
 
 
@@ -86,16 +82,24 @@ def jax_timing():
         print(f"  {name:24s} {best_time(function) * 1e3:8.2f} ms")
 
 
-def main():
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    devices.add_device_argument(parser)
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    print(f"batch {BATCH}, n = {N}, k = {K}; best of {REPEATS}; ratio = Multinomial / ours")
-    for dtype in (torch.float64, torch.float32):
+    packages = devices.use_device(args.device, ["torch", "jax"])
+    print(
+        f"batch {BATCH}, n = {N}, k = {K}; best of {REPEATS}; ratio = Multinomial / ours; "
+        f"{devices.describe(args.device)}"
+    )
+    for dtype in (torch.float64, torch.float32) if "torch" in packages else ():
         print(f"torch {dtype}:")
         ours, reference = torch_comparison(dtype)
         print(f"  entropy accuracy ({dtype}, first {ACCURACY_ROWS} rows):")
         accuracy(ours, reference)
-    print("NumPyro ConditionedPoisson, float64 (no NumPyro Multinomial entropy to compare):")
-    jax_timing()
+    if "jax" in packages:
+        print("NumPyro ConditionedPoisson, float64 (no NumPyro Multinomial entropy to compare):")
+        jax_timing()
 
 
 if __name__ == "__main__":

@@ -8,6 +8,9 @@ NumPy array included, then allocates there), JAX through the ``jax_default_devic
 rather than silently timed on the CPU. Timers call ``synchronize`` so that they measure
 finished work: CUDA kernels run asynchronously, and JAX's are awaited by
 ``block_until_ready`` in the benchmarks themselves.
+
+The benchmarks that time one thread's CPU time on the CPU (``clock``) time wall-clock seconds
+on an accelerator instead, where the work is the device's and not the process's.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import jax
 import torch
 
 ACCELERATOR_NAMES = ("cuda", "gpu")
+_on_accelerator = False
 
 
 def add_device_argument(parser: argparse.ArgumentParser) -> None:
@@ -42,8 +46,10 @@ def jax_accelerator():
 def use_device(device: str, packages) -> list[str]:
     """Make ``device`` the default of torch and JAX; return the packages that can run there
     (those that cannot are reported and left out)."""
+    global _on_accelerator
     if device == "cpu":
         return list(packages)
+    _on_accelerator = True
     usable = []
     for package in packages:
         if package == "torch":
@@ -62,10 +68,27 @@ def use_device(device: str, packages) -> list[str]:
     return usable
 
 
+def from_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (made on the CPU, as a seeded ``torch.Generator`` requires) on torch's
+    default device."""
+    return tensor.to(torch.get_default_device())
+
+
 def synchronize() -> None:
     """Wait for queued CUDA work (no-op on the CPU)."""
     if torch.cuda.is_available() and torch.get_default_device().type == "cuda":
         torch.cuda.synchronize()
+
+
+def clock() -> float:
+    """Seconds for paired timings: the process's CPU time on the CPU (with one thread, what
+    the wall-clock time would be on an idle machine, where a shared machine's wall-clock
+    time mostly measures the wait for a core); on an accelerator, wall-clock time once the
+    queued CUDA work has finished (the work is the device's, not this process's)."""
+    if not _on_accelerator:
+        return time.process_time()
+    synchronize()
+    return time.perf_counter()
 
 
 def describe(device: str) -> str:

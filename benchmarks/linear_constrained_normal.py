@@ -11,7 +11,9 @@ two sides alternating; ratios are taken within one run. Times are the process's 
 measures how long the process waited for a core, and with one thread CPU time is what the
 wall-clock time would be on an idle machine. Target: constrained / unconstrained <= 3.
 
-Run from the repository root: ``python -m benchmarks.linear_constrained_normal``.
+Run from the repository root: ``python -m benchmarks.linear_constrained_normal``
+(``--device cuda`` runs both on the accelerator, timed in wall-clock seconds there:
+``benchmarks/devices.py``).
 """
 
 import os
@@ -21,7 +23,7 @@ os.environ.setdefault(
     "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 )
 
-import time  # noqa: E402
+import argparse  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -31,6 +33,7 @@ import torch  # noqa: E402
 
 import numpyro_constrained  # noqa: E402
 import pyro_constrained  # noqa: E402
+from benchmarks import devices  # noqa: E402
 
 N, BATCH, ROWS = 1000, 256, (1, 10)
 REPEATS, CALLS = 15, 20
@@ -45,19 +48,24 @@ def paired_best_times(constrained, unconstrained) -> tuple[float, float]:
     best = [float("inf"), float("inf")]
     for _ in range(REPEATS):
         for index, function in enumerate((constrained, unconstrained)):
-            start = time.process_time()
+            start = devices.clock()
             for _ in range(CALLS):
                 function()
-            best[index] = min(best[index], (time.process_time() - start) / CALLS)
+            best[index] = min(best[index], (devices.clock() - start) / CALLS)
     return best[0], best[1]
 
 
 def torch_timings(num_rows: int) -> dict[str, tuple[float, float]]:
     generator = torch.Generator().manual_seed(num_rows)
-    loc = torch.randn(BATCH, N, generator=generator)
-    scale = torch.rand(BATCH, N, generator=generator) + 0.5
-    A = torch.randn(num_rows, N, generator=generator)
-    k = torch.randn(num_rows, generator=generator)
+    loc, scale, A, k = (
+        devices.from_cpu(tensor)
+        for tensor in (
+            torch.randn(BATCH, N, generator=generator, device="cpu"),
+            torch.rand(BATCH, N, generator=generator, device="cpu") + 0.5,
+            torch.randn(num_rows, N, generator=generator, device="cpu"),
+            torch.randn(num_rows, generator=generator, device="cpu"),
+        )
+    )
     constrained = pyro_constrained.LinearConstrainedNormal(loc, scale, A=A, k=k)
     unconstrained = pdist.Normal(loc, scale).to_event(1)
     value = constrained.sample()
@@ -96,12 +104,22 @@ def jax_timings(num_rows: int) -> dict[str, tuple[float, float]]:
     }
 
 
-def main() -> bool:
+def main(argv=None) -> bool:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    devices.add_device_argument(parser)
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    print(f"n = {N}, batch = {BATCH}, diagonal covariance, float32, one thread, CPU time")
+    packages = devices.use_device(args.device, ["torch", "jax"])
+    clock = "CPU time" if args.device == "cpu" else "wall-clock time"
+    print(
+        f"n = {N}, batch = {BATCH}, diagonal covariance, float32, one thread, {clock}, "
+        f"{devices.describe(args.device)}"
+    )
     print(f"{'framework':<10}{'a':>4}  {'call':<9}{'constrained':>13}{'Normal':>11}{'ratio':>8}")
     all_within = True
     for framework, timings in (("torch", torch_timings), ("jax", jax_timings)):
+        if framework not in packages:
+            continue
         for num_rows in ROWS:
             for call, (constrained, unconstrained) in timings(num_rows).items():
                 ratio = constrained / unconstrained

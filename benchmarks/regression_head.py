@@ -24,20 +24,21 @@ the process's CPU time (``time.process_time``), which with one thread is what th
 time would be on an idle machine.
 
 Run from the repository root: ``python -m benchmarks.regression_head``
-(``--profile`` adds torch.profiler tables of the LCN steps).
+(``--profile`` adds torch.profiler tables of the LCN steps; ``--device cuda`` runs the steps
+on the accelerator, timed in wall-clock seconds there: ``benchmarks/devices.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import pyro.distributions as pdist
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from benchmarks import devices
 from pyro_constrained import LinearConstraint
 from pyro_constrained.nn import LinearConstrainedNormalHead
 
@@ -52,10 +53,10 @@ def backbone() -> nn.Module:
 
 
 def make_data(generator: torch.Generator):
-    A = torch.randn(A_ROWS, N, generator=generator)
-    x = torch.randn(BATCH, IN, generator=generator)
-    raw = torch.randn(BATCH, N, generator=generator)
-    k = torch.randn(BATCH, A_ROWS, generator=generator)
+    A, x, raw, k = (
+        devices.from_cpu(torch.randn(*shape, generator=generator, device="cpu"))
+        for shape in ((A_ROWS, N), (BATCH, IN), (BATCH, N), (BATCH, A_ROWS))
+    )
     constraint = LinearConstraint(A)
     return constraint, x, k, constraint.project(raw, k)
 
@@ -118,10 +119,10 @@ def best_times(steps: dict) -> dict[str, float]:
     best = dict.fromkeys(steps, float("inf"))
     for _ in range(REPEATS):
         for name, step in steps.items():
-            start = time.process_time()
+            start = devices.clock()
             for _ in range(STEPS):
                 step()
-            best[name] = min(best[name], (time.process_time() - start) / STEPS)
+            best[name] = min(best[name], (devices.clock() - start) / STEPS)
     return best
 
 
@@ -140,15 +141,20 @@ def profile(steps: dict, names) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", action="store_true", help="print torch.profiler tables")
+    devices.add_device_argument(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if not devices.use_device(args.device, ["torch"]):
+        return
     constraint, x, k, y = make_data(torch.Generator().manual_seed(0))
     steps = make_steps(constraint, x, k, y)
     best = best_times(steps)
     reference = best["normal"]
     print(
         f"training step, batch {BATCH}, n = {N}, a = {A_ROWS}, MLP {IN}-{HIDDEN}-{HIDDEN}, "
-        f"float32, one thread; best of {REPEATS} x {STEPS} steps (CPU time); load average "
+        f"float32, one thread; best of {REPEATS} x {STEPS} steps "
+        f"({'CPU' if args.device == 'cpu' else 'wall-clock'} time, "
+        f"{devices.describe(args.device)}); load average "
         f"{os.getloadavg()[0]:.1f} at the end of the run\n"
     )
     print("| head | step | vs plain Normal MLP |")
