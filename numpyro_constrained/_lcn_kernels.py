@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from numpyro_constrained._products import matmul
 from numpyro_constrained.linear_constraint import (
     _after,
     _combine_rows,
@@ -48,7 +49,7 @@ def _whitened_t(factor: jax.Array, A: jax.Array, diagonal: bool) -> jax.Array:
     """``(A L)^T`` (..., n, a)."""
     if diagonal:
         return factor[..., :, None] * jnp.swapaxes(A, -1, -2)
-    return jnp.swapaxes(factor, -1, -2) @ jnp.swapaxes(A, -1, -2)
+    return matmul(jnp.swapaxes(factor, -1, -2), jnp.swapaxes(A, -1, -2))
 
 
 @jax.jit
@@ -93,12 +94,12 @@ def _second_moment_kernel(
     # The complete QR runs after the reduced one's LAPACK calls (see _after).
     leverage = jnp.sum(jnp.square(lax.stop_gradient(basis_t)), -2)
     complement = _complete_complement(_after(fixed, basis_t, r_inv_t), leverage)
-    coefficients = r_inv_t @ (jnp.swapaxes(whitened_t - fixed, -1, -2) @ complement)
-    moved = complement - jnp.swapaxes(basis_t, -1, -2) @ coefficients
-    crossed = coefficients @ jnp.swapaxes(moved, -1, -2)
+    coefficients = matmul(r_inv_t, matmul(jnp.swapaxes(whitened_t - fixed, -1, -2), complement))
+    moved = complement - matmul(jnp.swapaxes(basis_t, -1, -2), coefficients)
+    crossed = matmul(coefficients, jnp.swapaxes(moved, -1, -2))
     if diagonal:
         return factor[..., :, None] * moved, crossed * factor[..., None, :]
-    return factor @ moved, crossed @ jnp.swapaxes(factor, -1, -2)
+    return matmul(factor, moved), matmul(crossed, jnp.swapaxes(factor, -1, -2))
 
 
 @partial(jax.jit, static_argnames=("diagonal",))

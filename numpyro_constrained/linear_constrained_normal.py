@@ -54,6 +54,7 @@ from numpyro_constrained._lcn_support import (
     _min_norm_point_and_basis,  # noqa: F401 (numpyro_constrained.reparam imports it from here)
     moving_subspaces,
 )
+from numpyro_constrained._products import matmul
 from numpyro_constrained._repr import parameters_repr
 from numpyro_constrained.linear_constraint import LinearConstraint
 from numpyro_constrained.validation import (
@@ -458,7 +459,9 @@ class LinearConstrainedNormal(Distribution):
         """The conditional covariance ``Sigma_bar = (L N)(L N)^T`` (n x n, rank n - a, see
         :attr:`variance`): forms an n x n matrix."""
         factor, correction = self._second_moment_factors()
-        bar = factor @ jnp.swapaxes(factor, -1, -2) + jnp.swapaxes(correction, -1, -2) @ correction
+        bar = matmul(factor, jnp.swapaxes(factor, -1, -2)) + matmul(
+            jnp.swapaxes(correction, -1, -2), correction
+        )
         bar = 0.5 * (bar + jnp.swapaxes(bar, -1, -2))
         return jnp.broadcast_to(bar, self.batch_shape + self.event_shape + self.event_shape)
 

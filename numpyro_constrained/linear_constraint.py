@@ -19,6 +19,7 @@ from numpyro.util import not_jax_tracer
 from constrained_ppl.conditioning import DEFAULT_RTOL_ULPS, check_full_row_rank
 from constrained_ppl.conditioning import check_rtol as _check_rtol
 from constrained_ppl.conditioning import default_rtol as _default_rtol
+from numpyro_constrained._products import matmul
 
 __all__ = ["DEFAULT_RTOL_ULPS", "LinearConstraint"]
 
@@ -35,12 +36,12 @@ def _rows_times(matrix: jax.Array, vector: jax.Array) -> jax.Array:
     Written as a row vector times the transposed matrix so that an unbatched ``matrix`` and
     a batched ``vector`` become one matrix-matrix product.
     """
-    return (vector[..., None, :] @ jnp.swapaxes(matrix, -1, -2))[..., 0, :]
+    return matmul(vector[..., None, :], jnp.swapaxes(matrix, -1, -2))[..., 0, :]
 
 
 def _combine_rows(coefficients: jax.Array, rows: jax.Array) -> jax.Array:
     """``coefficients^T @ rows``: (..., a) x (..., a, n) -> (..., n)."""
-    return (coefficients[..., None, :] @ rows)[..., 0, :]
+    return matmul(coefficients[..., None, :], rows)[..., 0, :]
 
 
 def _after(value: jax.Array, *earlier: jax.Array) -> jax.Array:

@@ -25,6 +25,7 @@ import numpyro.distributions as dist
 from jax.scipy.linalg import solve_triangular
 from numpyro.infer.reparam import Reparam
 
+from numpyro_constrained._products import matmul
 from numpyro_constrained.linear_constrained_normal import (
     LinearConstrainedNormal,
     _min_norm_point_and_basis,
@@ -103,5 +104,5 @@ class LinearConstrainedNormalReparam(Reparam):
         w = solve_triangular(
             jnp.broadcast_to(r, u.shape[:-1] + r.shape[-2:]), u[..., None], lower=False
         )
-        value = mean + (basis @ w)[..., 0]
+        value = mean + matmul(basis, w)[..., 0]
         return None, value

@@ -280,7 +280,9 @@ def _mode_counts(log_p: torch.Tensor, k: torch.Tensor, k_bound: int) -> torch.Te
     # contiguous: searchsorted would copy it, with a warning.
     owner = torch.searchsorted(ends, slot.contiguous(), right=True)
     valid = owner < n
-    owner = owner.clamp(max=n - 1)
+    # Both bounds: under torch.jit.trace n is a CPU tensor, which as clamp's only bound
+    # would be a tensor operand that a CUDA owner refuses; with two it is a Scalar.
+    owner = owner.clamp(0, n - 1)
     # The count before the unit: the owner's lower bound plus the unit's place in its run.
     place = slot - (ends - width).gather(-1, owner)
     before = lower.gather(-1, owner) + place.to(torch.float64)

@@ -38,6 +38,7 @@ from pyro_constrained.affine_subspace import (
     moving_subspaces,
     refuse_a_moved_support,
 )
+from pyro_constrained.exactly_k_tracing import static_under_trace
 from pyro_constrained.linear_constraint import (
     LinearConstraint,
     _combine_rows,
@@ -482,7 +483,8 @@ class LinearConstrainedNormal(TorchDistribution):
     def entropy(self) -> torch.Tensor:
         """``H = (n - a)/2 (1 + log 2 pi) + 1/2 log det Sigma - 1/2 log det S
         + 1/2 log det(A A^T)``, with respect to the Hausdorff measure on the subspace."""
-        dim = self.event_shape[0] - self.A.shape[-2]
+        with static_under_trace():  # a Python int, as in LinearConstraint._setup
+            dim = int(self.event_shape[0] - self.A.shape[-2])
         return (0.5 * dim - self._log_normalizer).expand(self.batch_shape)
 
     def _projects(self, value: torch.Tensor) -> bool:

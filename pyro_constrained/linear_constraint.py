@@ -17,6 +17,7 @@ import torch
 from constrained_ppl.conditioning import DEFAULT_RTOL_ULPS, check_full_row_rank
 from constrained_ppl.conditioning import check_rtol as _check_rtol
 from constrained_ppl.conditioning import default_rtol as _default_rtol
+from pyro_constrained.exactly_k_tracing import static_under_trace
 
 __all__ = ["DEFAULT_RTOL_ULPS", "LinearConstraint"]
 
@@ -266,7 +267,10 @@ class LinearConstraint:
     def _setup(self, A: torch.Tensor, rtol: float | None, validate: bool) -> None:
         if A.dim() < 2:
             raise ValueError(f"A must have shape (..., a, n), got {tuple(A.shape)}")
-        num_rows, n = A.shape[-2:]
+        # Python ints: under torch.jit.trace a size is a tensor, and a float times it a tensor
+        # of the default dtype, float32, which would round the float64 offset below.
+        with static_under_trace():
+            num_rows, n = (int(size) for size in A.shape[-2:])
         if not 1 <= num_rows <= n:
             raise ValueError(
                 f"A must have between 1 and n = {n} rows (full row rank a <= n), got {num_rows}"
