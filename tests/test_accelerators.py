@@ -48,15 +48,30 @@ def _assert_same(on_device: dict, on_cpu: dict, case: Case) -> None:
 # torch
 
 
-def _torch_device_params():
+def _torch_cuda_param():
     import torch
 
+    return pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+    )
+
+
+# The CPU standing in for the accelerator checks the harness on the first case of each
+# class (every case runs on an accelerator where there is one).
+_STAND_IN_CASES = list({case.cls: case for case in reversed(ALL_CASES)}.values())
+
+
+def _accelerator_and_stand_in(accelerator_param):
+    """(case, device) parameters: every case on the accelerator, and the stand-in cases on
+    the CPU (slow)."""
+    stand_in = pytest.mark.slow
     return [
-        pytest.param(
-            "cuda",
-            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
-        ),
-        pytest.param("cpu", marks=pytest.mark.slow, id="cpu-standing-in"),
+        pytest.param(case, accelerator_param, id=f"{case}-{accelerator_param.values[0]}")
+        for case in ALL_CASES
+    ] + [
+        pytest.param(case, "cpu", marks=stand_in, id=f"{case}-cpu-standing-in")
+        for case in _STAND_IN_CASES
     ]
 
 
@@ -120,8 +135,7 @@ def _torch_outputs(case: Case, device: str, value_on_cpu=None):
     return as_numpy, value_on_cpu
 
 
-@pytest.mark.parametrize("device", _torch_device_params())
-@pytest.mark.parametrize("case", ALL_CASES, ids=str)
+@pytest.mark.parametrize(("case", "device"), _accelerator_and_stand_in(_torch_cuda_param()))
 def test_torch_accelerator_matches_cpu(case: Case, device: str):
     on_cpu, value = _torch_outputs(case, "cpu")
     on_device, _ = _torch_outputs(case, device, value)
@@ -192,7 +206,7 @@ def test_traced_clamp_bounds_are_scalars(case: Case):
         assert not _tensor_bound_clamps(traced.graph), (name, _tensor_bound_clamps(traced.graph))
 
 
-@pytest.mark.parametrize("device", [_torch_device_params()[0], "cpu"])
+@pytest.mark.parametrize("device", [_torch_cuda_param(), "cpu"])
 @pytest.mark.parametrize("case", ALL_CASES, ids=str)
 def test_torch_traced_programs_replay_their_eager_values(case: Case, device: str):
     # Before the fix, LinearConstrainedNormal's float64 log_prob and entropy replayed 3e-8
@@ -220,14 +234,11 @@ def _jax_accelerator():
     return devices[0] if devices else None
 
 
-def _jax_platform_params():
-    return [
-        pytest.param(
-            "gpu",
-            marks=pytest.mark.skipif(_jax_accelerator() is None, reason="no JAX GPU backend"),
-        ),
-        pytest.param("cpu", marks=pytest.mark.slow, id="cpu-standing-in"),
-    ]
+def _jax_gpu_param():
+    return pytest.param(
+        "gpu",
+        marks=pytest.mark.skipif(_jax_accelerator() is None, reason="no JAX GPU backend"),
+    )
 
 
 def _jax_outputs(case: Case, device, value_on_cpu=None):
@@ -285,8 +296,7 @@ def _jax_outputs(case: Case, device, value_on_cpu=None):
     return as_numpy, value_on_cpu
 
 
-@pytest.mark.parametrize("platform", _jax_platform_params())
-@pytest.mark.parametrize("case", ALL_CASES, ids=str)
+@pytest.mark.parametrize(("case", "platform"), _accelerator_and_stand_in(_jax_gpu_param()))
 def test_jax_accelerator_matches_cpu(case: Case, platform: str):
     import jax
 
