@@ -221,9 +221,13 @@ class LinearConstrainedNormalHead(nn.Module):
         n = constraint.n
         dtype = constraint.A.dtype
         device = constraint.A.device
-        output_loc = torch.zeros(n) if output_loc is None else torch.as_tensor(output_loc)
-        output_scale = torch.ones(n) if output_scale is None else torch.as_tensor(output_scale)
-        metric = torch.ones(n) if metric is None else torch.as_tensor(metric)
+        if output_loc is None:
+            output_loc = torch.zeros(n, device=device)
+        if output_scale is None:
+            output_scale = torch.ones(n, device=device)
+        if metric is None:
+            metric = torch.ones(n, device=device)
+        output_loc, output_scale, metric = map(torch.as_tensor, (output_loc, output_scale, metric))
         check_head_options(
             n,
             min_scale=min_scale,
@@ -262,7 +266,10 @@ class LinearConstrainedNormalHead(nn.Module):
             nn.init.zeros_(self.scale_net[-1].weight)
             nn.init.constant_(self.scale_net[-1].bias, raw_init)
         else:
-            self.raw_scale = nn.Parameter(torch.full((n,), raw_init))
+            # On the default device, as nn.Linear's parameters (the module moves with .to()).
+            self.raw_scale = nn.Parameter(
+                torch.full((n,), raw_init, device=torch.get_default_device())
+            )
 
     def _apply(self, fn, *args, **kwargs):
         # .to(dtype / device), .double(), .cuda() convert the parameters and buffers; the two

@@ -75,11 +75,13 @@ def _half_pmf(theta: torch.Tensor, half: torch.Tensor) -> torch.Tensor:
     """``log P(K = j)`` for ``j <= half`` (per row; ``-inf`` above), kernel logits ``theta``
     (rows, n) float64, by tilted windows from the bottom up (module docstring)."""
     rows, n = theta.shape
-    out = torch.full((rows, n + 1), -torch.inf, dtype=torch.float64)
-    best = torch.full((rows, n + 1), -1.0, dtype=torch.float64)
-    needed = torch.arange(n + 1)[None, :] <= half[:, None]
-    target = torch.zeros(rows, dtype=torch.long)
-    reach = torch.zeros(rows, dtype=torch.long)  # a window's upper half-width, in counts
+    device = theta.device
+    out = torch.full((rows, n + 1), -torch.inf, dtype=torch.float64, device=device)
+    best = torch.full((rows, n + 1), -1.0, dtype=torch.float64, device=device)
+    needed = torch.arange(n + 1, device=device)[None, :] <= half[:, None]
+    target = torch.zeros(rows, dtype=torch.long, device=device)
+    # a window's upper half-width, in counts
+    reach = torch.zeros(rows, dtype=torch.long, device=device)
     active = half >= 0
     while bool(active.any()):
         index = active.nonzero()[:, 0]
@@ -95,7 +97,7 @@ def _half_pmf(theta: torch.Tensor, half: torch.Tensor) -> torch.Tensor:
             table = kernels.count_log_probs(theta[rows_g], t[group], k_max)
             log_p, ratio, c = table.log_probs, table.relative, table.tilt
             width = log_p.shape[-1]
-            j = torch.arange(width)
+            j = torch.arange(width, device=device)
             span = (c[:, None] * (j[None, :] - t[group][:, None])).abs() <= _TILT_SPAN
             accept = ((ratio >= _WINDOW) & span) | (j[None, :] == t[group][:, None])
             better = accept & (ratio > best[rows_g, :width]) & needed[rows_g, :width]
@@ -104,7 +106,7 @@ def _half_pmf(theta: torch.Tensor, half: torch.Tensor) -> torch.Tensor:
             above = torch.where(accept & (j[None, :] >= t[group][:, None]), j, -1).amax(-1)
             reach[rows_g] = (above - t[group]).clamp(min=0)
         covered = (best >= 0) | ~needed
-        first = torch.where(covered[index], n + 1, torch.arange(n + 1)).amin(-1)
+        first = torch.where(covered[index], n + 1, torch.arange(n + 1, device=device)).amin(-1)
         done = first > half[index]
         # Aim the next pass so that its window reaches down to the first uncovered count; if
         # the last pass fell short of it, aim at it (a pass always covers its target).
@@ -129,7 +131,7 @@ def log_pmf_by_windows(theta: torch.Tensor) -> torch.Tensor:
         halves = _half_pmf(both, torch.cat([low_half, m - low_half - 1]))
         low, high = halves.chunk(2)
         # Count j > m // 2 is m - j zeros of the flipped logits.
-        j = torch.arange(n + 1)
+        j = torch.arange(n + 1, device=theta.device)
         zeros = (m[:, None] - j).clamp(min=0, max=n)
         from_high = high.gather(-1, zeros)
         use_high = (j[None, :] > low_half[:, None]) & (j[None, :] <= m[:, None])
@@ -333,7 +335,7 @@ class PoissonBinomial(TorchDistribution):
         # Under torch.jit.trace the windows' passes (Python loops on values) would freeze:
         # the per-count path, whose control flow a trace fixes, as under differentiation.
         if is_differentiated(self.logits) or torch.jit.is_tracing():
-            j = torch.arange(n + 1).expand(rows, n + 1)
+            j = torch.arange(n + 1, device=theta.device).expand(rows, n + 1)
             free = self._num_free.reshape(-1, 1)
             theta_rows = theta.repeat_interleave(n + 1, dim=0)
             counts = torch.minimum(j, free).reshape(-1)
@@ -343,7 +345,7 @@ class PoissonBinomial(TorchDistribution):
             log_p = log_pmf_by_windows(theta).to(self.logits.dtype)
         # The always-on Bernoullis shift the count.
         shift = self._forced_on.reshape(-1, 1)
-        j = torch.arange(n + 1)[None, :] - shift
+        j = torch.arange(n + 1, device=shift.device)[None, :] - shift
         shifted = log_p.gather(-1, j.clamp(min=0))
         shifted = torch.where(j >= 0, shifted, torch.full_like(shifted, -torch.inf))
         shifted = shifted.reshape(self.batch_shape + (n + 1,))
@@ -412,7 +414,7 @@ class PoissonBinomial(TorchDistribution):
         # P(K > j) = P(K >= j + 1): shift left by one, P(K > n) = 0.
         table = torch.cat([reverse[..., 1:], torch.full_like(reverse[..., :1], -torch.inf)], -1)
         value = torch.as_tensor(value, device=self.logits.device, dtype=self.logits.dtype)
-        below = torch.zeros((), dtype=table.dtype)
+        below = torch.zeros((), dtype=table.dtype, device=table.device)
         result = self._at(table, value, "log_survival_function")
         return torch.where(value < 0, below, result)
 
@@ -441,7 +443,9 @@ class PoissonBinomial(TorchDistribution):
     def enumerate_support(self, expand: bool = True) -> torch.Tensor:
         """The counts 0..n, shape ``(n + 1,) + batch_shape`` (``expand=True``) or
         ``(n + 1,) + (1,) * len(batch_shape)``, as ``torch.distributions.Binomial``."""
-        values = torch.arange(self.total_count + 1, dtype=self.logits.dtype)
+        values = torch.arange(
+            self.total_count + 1, dtype=self.logits.dtype, device=self.logits.device
+        )
         values = values.reshape((-1,) + (1,) * len(self.batch_shape))
         if expand:
             values = values.expand((-1,) + self.batch_shape)

@@ -63,16 +63,18 @@ _STAND_IN_CASES = list({case.cls: case for case in reversed(ALL_CASES)}.values()
 
 
 def _accelerator_and_stand_in(accelerator_param):
-    """(case, device) parameters: every case on the accelerator, and the stand-in cases on
-    the CPU (slow)."""
-    stand_in = pytest.mark.slow
-    return [
-        pytest.param(case, accelerator_param, id=f"{case}-{accelerator_param.values[0]}")
+    """(case, device) parameters: every case on the accelerator (skipped without one), and
+    the stand-in cases on the CPU (slow)."""
+    (device,) = accelerator_param.values
+    on_accelerator = [
+        pytest.param(case, device, marks=accelerator_param.marks, id=f"{case}-{device}")
         for case in ALL_CASES
-    ] + [
-        pytest.param(case, "cpu", marks=stand_in, id=f"{case}-cpu-standing-in")
+    ]
+    standing_in = [
+        pytest.param(case, "cpu", marks=pytest.mark.slow, id=f"{case}-cpu-standing-in")
         for case in _STAND_IN_CASES
     ]
+    return on_accelerator + standing_in
 
 
 def _float_tensors(case: Case, device: str) -> tuple[dict, dict]:
@@ -181,6 +183,37 @@ def _traced_quantities(case: Case, device: str):
             warnings.simplefilter("ignore", torch.jit.TracerWarning)
             traced = torch.jit.trace(program, tuple(floats.values()), check_trace=False)
         yield name, traced, tuple(floats.values()), program
+
+
+_FACTORIES = {"arange", "empty", "eye", "full", "linspace", "ones", "rand", "randint", "randn"}
+_FACTORIES |= {"randperm", "tensor", "zeros"}
+
+
+def test_torch_factories_name_their_device():
+    # A factory call without device= allocates on torch's default device, not on the
+    # parameters': on a GPU, PoissonBinomial's log_pmf (so its entropy, mode and tail
+    # functions) mixed CPU and CUDA tensors and raised (seen on an H100). The showcase
+    # module is example code run on the CPU; torch.as_tensor converts a user's input.
+    import ast
+    from pathlib import Path
+
+    import pyro_constrained
+
+    missing = []
+    for path in sorted(Path(pyro_constrained.__file__).parent.glob("*.py")):
+        if path.name == "showcase.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "torch"
+                and node.func.attr in _FACTORIES
+                and not any(keyword.arg == "device" for keyword in node.keywords)
+            ):
+                missing.append(f"{path.name}:{node.lineno} torch.{node.func.attr}")
+    assert not missing, missing
 
 
 def _tensor_bound_clamps(block) -> list[str]:
