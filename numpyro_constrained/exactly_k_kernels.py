@@ -284,10 +284,17 @@ def _straight_through_sample(key, logits, k, k_max: int, sample_shape: tuple):
 def _straight_through_sample_jvp(k_max, sample_shape, primals, tangents):
     key, logits, k = primals
 
-    z = _sample(key, logits, k, k_max, sample_shape)
-    # The marginals' own rule (exactly_k_tangent), whose reverse mode is cheap, at the cost
-    # of a second upward pass for the draw.
-    _, d_mu = jax.jvp(lambda x: _marginals(x, k, k_max), (logits,), (tangents[1],))
+    if _tangent.serves(k_max):
+        # The marginals' own rule (exactly_k_tangent), whose reverse mode is cheap, at the
+        # cost of a second upward pass for the draw.
+        z = _sample(key, logits, k, k_max, sample_shape)
+        _, d_mu = jax.jvp(lambda x: _marginals(x, k, k_max), (logits,), (tangents[1],))
+        return z, jnp.broadcast_to(d_mu, z.shape)
+
+    def draw_and_marginals(logits):  # one upward pass for both
+        return _sample_and_marginals(key, logits, k, k_max, sample_shape)
+
+    (z, _), (_, d_mu) = jax.jvp(draw_and_marginals, (logits,), (tangents[1],))
     return z, jnp.broadcast_to(d_mu, z.shape)
 
 

@@ -4,17 +4,17 @@ tables saved by the forward pass (docs/numerics.md, "The exactly-k kernels").
 The marginals' Jacobian is the conditional covariance of z, and JAX's reverse mode
 transposes whatever linear map the derivative rule computes. The primal kernels' own
 linearisation transposes poorly (a ``dynamic_slice`` per shift of each convolution loop
-becomes a ``dynamic_update_slice`` into a zero array, and every loop step saves its
-slices), so this rule states the tangent of each level itself: for a product of tables
-``d(L * R) = dL * R + L * dR``, each term a product with a table of the forward pass. On
-levels at most ``_TOEPLITZ_WIDTH`` wide the constant factor is laid out as a Toeplitz (or
-Hankel) matrix, so the term is a batched matrix-vector product, which JAX transposes into
-another; wider levels use the kernels' direct sums. The rule is plain JAX, so it is
-differentiable again in either mode (forward-over-reverse Hessians included).
+becomes a ``dynamic_update_slice`` into a zero array, every loop step saves its slices,
+and the top levels' ``lax.scan`` saves its steps), so this rule states the tangent of each
+level itself: for a product of tables ``d(L * R) = dL * R + L * dR``, each term a product
+with a table of the forward pass laid out as a Toeplitz (or Hankel) matrix, so that the
+term is a batched matrix-vector product, which JAX transposes into another. The rule is
+plain JAX, so it is differentiable again in either mode (forward-over-reverse Hessians
+included), and exact: the same sums as JAX's derivative of the kernels, in another order.
 
-Served: the general kernels' marginals without FFT levels (the levels at least
-``design.JAX_FFT_WIDTH`` wide, where ``k_max`` reaches 512); there, and under the count
-tables' ``_Loop``, the primal kernels' own derivative is used (see ``_jvp``).
+Served: tables at most ``_TOEPLITZ_WIDTH`` wide (``k_max`` up to 16), where those matrices
+(width^2 entries per node and term) cost little; wider tables, and the FFT levels, keep JAX's
+own derivative of the kernels (see ``_jvp``).
 """
 
 from functools import partial
@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from constrained_ppl import exactly_k_design as design
 from numpyro_constrained.exactly_k_convolution import _convolve, _correlate
 from numpyro_constrained.exactly_k_tilt import tilt
 from numpyro_constrained.exactly_k_tree import (
@@ -35,9 +34,10 @@ from numpyro_constrained.exactly_k_tree import (
     _with_empty_nodes,
 )
 
-# Levels at most this wide take the Toeplitz products (a (width x width) matrix per node
-# and term, built once by the forward pass); wider ones the direct sums, whose transposes
-# cost more but whose memory stays linear in the width.
+# The widest tables served: a (width x width) matrix per node and term is built by the
+# forward pass. At k_max = 64 (b16, n200, k100) the matrices made the forward derivative
+# 1.6x slower, and the kernels' loops in their place transposed no faster than JAX's own
+# derivative (benchmarks/README.md, "Small sites").
 _TOEPLITZ_WIDTH = 32
 
 
@@ -55,15 +55,16 @@ def _kernel_marginals(logits, k, k_max: int):
     return _marginals_from(flat_k, weights, root, levels, fft)
 
 
-def _has_fft_levels(n: int, k_max: int) -> bool:
-    """Whether any level can be wide enough for the FFT path (``exactly_k_tree._use_fft``)."""
-    return min(k_max, 2 ** (n - 1).bit_length()) + 1 >= design.JAX_FFT_WIDTH
+def serves(k_max: int) -> bool:
+    """Whether the marginals' derivative at ``k_max`` is the tangent pass (else JAX's own
+    derivative of the kernels). No level this narrow takes the FFT path."""
+    return k_max + 1 <= _TOEPLITZ_WIDTH
 
 
 @marginals.defjvp
 def _jvp(k_max, primals, tangents):
     logits, k = primals
-    if k_max + 1 > _TOEPLITZ_WIDTH or _has_fft_levels(logits.shape[-1], k_max):
+    if not serves(k_max):
         return jax.jvp(lambda x: _kernel_marginals(x, k, k_max), (logits,), (tangents[0],))
     mu, saved = _forward(logits, k, k_max)
     return mu, _tangent(tangents[0], saved)
@@ -93,19 +94,15 @@ def _apply(tangent: jax.Array, factor: jax.Array) -> jax.Array:
 
 def _up_factors(left, right, out_width):
     """The constant factors of an upward level's tangent ``dL * R + L * dR`` (truncated
-    products): (R, L) as matrices M[a, j] = C[j - a] on narrow levels, else the tables."""
-    if out_width > _TOEPLITZ_WIDTH:
-        return right, left
+    products): (R, L) as matrices M[a, j] = C[j - a]."""
     index = jnp.arange(out_width)[None, :] - jnp.arange(left.shape[-1])[:, None]
     return _matrix(right, index), _matrix(left, index)
 
 
 def _down_factors(outside, siblings, width):
     """The constant factors of a downward level's tangent ``corr(dO, S) + corr(O, dS)``,
-    ``corr(O, S)[a] = sum_b O[a + b] S[b]``: on narrow levels M[m, a] = S[m - a] and the
-    Hankel matrix H[b, a] = O[a + b], else (S, O)."""
-    if width > _TOEPLITZ_WIDTH:
-        return siblings, outside
+    ``corr(O, S)[a] = sum_b O[a + b] S[b]``: M[m, a] = S[m - a] and the
+    Hankel matrix H[b, a] = O[a + b]."""
     columns = jnp.arange(width)[None, :]
     by_outside = _matrix(siblings, jnp.arange(outside.shape[-1])[:, None] - columns)
     by_siblings = _matrix(outside, jnp.arange(siblings.shape[-1])[:, None] + columns)
@@ -157,16 +154,12 @@ def _product_tangent(d_pairs, factors, out_width):
     """``dL * R + L * dR`` truncated at ``out_width`` (see ``_up_factors``)."""
     d_left, d_right = _unstack(d_pairs)
     by_right, by_left = factors
-    if out_width > _TOEPLITZ_WIDTH:
-        return _convolve(d_left, by_right, out_width) + _convolve(d_right, by_left, out_width)
     return _apply(d_left[..., :out_width], by_right) + _apply(d_right[..., :out_width], by_left)
 
 
 def _outside_tangent(d_both, d_siblings, factors, width):
     """``corr(dO, S) + corr(O, dS)`` (see ``_down_factors``)."""
     by_outside, by_siblings = factors
-    if width > _TOEPLITZ_WIDTH:
-        return _correlate(d_both, by_outside, width) + _correlate(by_siblings, d_siblings, width)
     return _apply(d_both, by_outside) + _apply(d_siblings, by_siblings)
 
 
