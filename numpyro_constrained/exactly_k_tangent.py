@@ -12,7 +12,7 @@ term is a batched matrix-vector product, which JAX transposes into another. The 
 plain JAX, so it is differentiable again in either mode (forward-over-reverse Hessians
 included), and exact: the same sums as JAX's derivative of the kernels, in another order.
 
-Served: tables at most ``_TOEPLITZ_WIDTH`` wide (``k_max`` up to 16), where those matrices
+Served: tables at most ``_TOEPLITZ_WIDTH`` wide (``k_max`` up to 32), where those matrices
 (width^2 entries per node and term) cost little; wider tables, and the FFT levels, keep JAX's
 own derivative of the kernels (see ``_jvp``).
 """
@@ -34,11 +34,11 @@ from numpyro_constrained.exactly_k_tree import (
     _with_empty_nodes,
 )
 
-# The widest tables served: a (width x width) matrix per node and term is built by the
-# forward pass. At k_max = 64 (b16, n200, k100) the matrices made the forward derivative
-# 1.6x slower, and the kernels' loops in their place transposed no faster than JAX's own
-# derivative (benchmarks/README.md, "Small sites").
-_TOEPLITZ_WIDTH = 32
+# The widest tables served (k_max up to 32): the forward pass builds a (width x width)
+# matrix per node and term. At k_max = 64 they made the forward derivative 1.6x to 1.8x
+# slower (reverse mode 1.5x to 2x faster), and the kernels' loops in their place
+# transposed no faster than JAX's own derivative (benchmarks/README.md, "Small sites").
+_TOEPLITZ_WIDTH = 33
 
 
 @partial(jax.custom_jvp, nondiff_argnums=(2,))

@@ -859,7 +859,7 @@ def test_jax_marginals_tangent_pass_matches_enumerated_cumulants_in_every_mode(d
 @pytest.mark.user_config_only
 @pytest.mark.parametrize("dtype", [np.float32])
 def test_jax_general_marginals_reverse_mode_matches_the_kernels_own_derivative(dtype):
-    """Through the dispatch at a size the general kernels serve (n = 300, k_max 16; float32,
+    """Through the dispatch at a size the general kernels serve (n = 300, k_max 32; float32,
     where the tables span the widest range): the gradient of a loss of the marginals against
     JAX's own derivative of the kernels (the rule before the tangent pass), and its symmetry
     with the forward derivative (the Jacobian is a covariance)."""
@@ -870,9 +870,9 @@ def test_jax_general_marginals_reverse_mode_matches_the_kernels_own_derivative(d
     logits[0, :7] = -np.inf
     logits[1, 3] = 40.0
     x = jnp.asarray(logits, dtype)
-    ks = jnp.asarray([5, 12])
+    ks = jnp.asarray([5, 20])
     w = jnp.asarray(rng.normal(size=(2, 300)), dtype)
-    padded, k_max, _ = jax_kernels._to_bucket(x, 12)
+    padded, k_max, _ = jax_kernels._to_bucket(x, 20)
 
     def reference(y):  # the kernels differentiated by JAX itself, on the padded logits
         pad = jnp.full((2, padded.shape[-1] - 300), -jnp.inf, dtype)
@@ -880,11 +880,11 @@ def test_jax_general_marginals_reverse_mode_matches_the_kernels_own_derivative(d
         return (mu[:, :300] * w).sum()
 
     def loss(y):
-        return (jax_kernels.marginals(y, ks, 12) * w).sum()
+        return (jax_kernels.marginals(y, ks, 20) * w).sum()
 
     @jax.jit
     def both(y):
-        forward = jax.jvp(lambda y: jax_kernels.marginals(y, ks, 12), (y,), (w,))[1]
+        forward = jax.jvp(lambda y: jax_kernels.marginals(y, ks, 20), (y,), (w,))[1]
         return jax.grad(loss)(y), jax.grad(reference)(y), forward
 
     gradient, expected, forward = both(x)
