@@ -32,6 +32,7 @@ import numpy as np
 from jax import lax
 
 from numpyro_constrained import exactly_k_small as _small
+from numpyro_constrained import exactly_k_tangent as _tangent
 from numpyro_constrained.exactly_k_draw import _draw
 from numpyro_constrained.exactly_k_tilt import count, tilt
 from numpyro_constrained.exactly_k_tree import _marginals_from, _prepare
@@ -188,8 +189,11 @@ def marginals(logits: jax.Array, k: jax.Array, k_max: int) -> jax.Array:
 def _marginals(logits: jax.Array, k: jax.Array, k_max: int) -> jax.Array:
     if k_max == 0:
         return jnp.zeros_like(logits)
-    flat_k, _, weights, root, levels, _, fft = _prepare(logits, jnp.asarray(k), k_max, True)
-    return _marginals_from(flat_k, weights, root, levels, fft).reshape(logits.shape)
+    n = logits.shape[-1]
+    flat_k = jnp.broadcast_to(jnp.asarray(k), logits.shape[:-1]).reshape(-1).astype(jnp.int32)
+    # Its derivative is the tangent pass of exactly_k_tangent, which reverse mode transposes
+    # at about the cost of a forward derivative.
+    return _tangent.marginals(logits.reshape(-1, n), flat_k, k_max).reshape(logits.shape)
 
 
 def marginals_and_complements(
@@ -280,7 +284,14 @@ def _straight_through_sample(key, logits, k, k_max: int, sample_shape: tuple):
 def _straight_through_sample_jvp(k_max, sample_shape, primals, tangents):
     key, logits, k = primals
 
-    def draw_and_marginals(logits):
+    if _tangent.serves(k_max):
+        # The marginals' own rule (exactly_k_tangent), whose reverse mode is cheap, at the
+        # cost of a second upward pass for the draw.
+        z = _sample(key, logits, k, k_max, sample_shape)
+        _, d_mu = jax.jvp(lambda x: _marginals(x, k, k_max), (logits,), (tangents[1],))
+        return z, jnp.broadcast_to(d_mu, z.shape)
+
+    def draw_and_marginals(logits):  # one upward pass for both
         return _sample_and_marginals(key, logits, k, k_max, sample_shape)
 
     (z, _), (_, d_mu) = jax.jvp(draw_and_marginals, (logits,), (tangents[1],))

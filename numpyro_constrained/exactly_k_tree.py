@@ -59,6 +59,18 @@ def _rescale(table: jax.Array) -> tuple[jax.Array, jax.Array]:
     is under stop_gradient: every quantity computed from the tables is either invariant to
     it (marginals, sampling) or adds it back explicitly (the normaliser).
     """
+    scale, exponent = _scale_of(table)
+    return _flush(table * scale), exponent
+
+
+def _flush(table: jax.Array) -> jax.Array:
+    """Entries below sqrt(tiny) set to zero (the torch kernels' rule; see ``_rescale``)."""
+    return jnp.where(table > float(jnp.finfo(table.dtype).tiny) ** 0.5, table, 0.0)
+
+
+def _scale_of(table: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(2^-e per node, shape (..., 1), under stop_gradient; e in the wide dtype): the factor
+    of ``_rescale``."""
     info = jnp.finfo(table.dtype)
     tiny = float(info.tiny)
     largest = jnp.maximum(lax.stop_gradient(table).max(-1, keepdims=True), tiny)
@@ -68,10 +80,7 @@ def _rescale(table: jax.Array) -> tuple[jax.Array, jax.Array]:
     field = lax.bitcast_convert_type(largest, bits) >> info.nmant  # e + bias (largest > 0)
     bias = 2 ** (info.nexp - 1) - 1
     scale = lax.bitcast_convert_type((2 * bias - field) << info.nmant, table.dtype)
-    # Entries below sqrt(tiny) after the division are zero (the torch kernels' rule).
-    table = table * scale
-    table = jnp.where(table > tiny**0.5, table, 0.0)
-    return table, (field[..., 0] - bias).astype(wide_dtype(table.dtype))
+    return scale, (field[..., 0] - bias).astype(wide_dtype(table.dtype))
 
 
 def _leaves(x: jax.Array, k_max: int):

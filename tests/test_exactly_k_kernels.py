@@ -781,3 +781,112 @@ def test_marginals_of_a_saturated_variable_have_exactly_zero_derivative():
     np.testing.assert_allclose(theta.grad.numpy(), np.zeros(6), rtol=0, atol=1e-12)
     weighted = jax.grad(lambda theta: (jax_kernels.marginals(theta, jnp.asarray(2), 2) * x).sum())
     np.testing.assert_allclose(np.asarray(weighted(jnp.asarray(logits))), 0.0, rtol=0, atol=1e-12)
+
+
+def _enumerated_moments(logits, k: int):
+    """(mean, covariance, third central moment) of the exactly-k law by enumeration: the
+    marginals, their Jacobian, and the derivatives of the Jacobian (cumulants of an
+    exponential family)."""
+    subsets, probs = oracle.exactly_k_pmf(logits, k)
+    centred = subsets - probs @ subsets
+    return (
+        probs @ subsets,
+        np.einsum("s,si,sj->ij", probs, centred, centred),
+        np.einsum("s,si,sj,sl->ijl", probs, centred, centred, centred),
+    )
+
+
+@pytest.mark.user_config_only
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_jax_marginals_tangent_pass_matches_enumerated_cumulants_in_every_mode(dtype):
+    """The marginals' derivative rule of the general kernels (exactly_k_tangent, a tangent
+    pass whose transpose is reverse mode) in forward, reverse, forward-over-reverse and
+    reverse-over-reverse mode, under jit and vmap, against the enumerated covariance and
+    third central moment, at k = 0, k = the number of finite logits, -inf logits, and
+    logits far apart (marginals within 1e-13 of 0 and 1)."""
+    from numpyro_constrained import exactly_k_tangent as tangent
+
+    rng = np.random.default_rng(7)
+    logits = rng.normal(0.0, 2.0, size=(4, 9))
+    logits[0, 3] = -np.inf  # k = 8: every finite variable on
+    logits[2, [1, 5]] = [30.0, -30.0]
+    logits[3, 0] = -np.inf
+    ks = np.array([8, 0, 4, 3])
+    w, v = rng.normal(size=(2, 4, 9))
+    x, k32 = jnp.asarray(logits, dtype), jnp.asarray(ks, jnp.int32)
+    w32, v32 = jnp.asarray(w, dtype), jnp.asarray(v, dtype)
+    moments = [_enumerated_moments(logits[row], int(ks[row])) for row in range(4)]
+    mean = np.stack([m[0] for m in moments])
+    cov = np.stack([m[1] for m in moments])
+    third = np.stack([m[2] for m in moments])
+    tol = dict(rtol=0, atol=2e-5 if dtype == np.float32 else 1e-11)
+
+    def marginals(x):
+        return tangent.marginals(x, k32, 8)
+
+    def loss(x):
+        return (marginals(x) * w32).sum()
+
+    @jax.jit  # one compilation for every mode: compiling dominates the test's time
+    def every_mode(x):
+        return (
+            marginals(x),
+            jax.jvp(marginals, (x,), (v32,))[1],
+            jax.grad(loss)(x),
+            jax.vmap(jax.grad(loss))(jnp.stack([x, 0.5 * x])),
+            jax.jacfwd(marginals)(x),
+            jax.hessian(loss)(x),  # forward over reverse
+            jax.jacrev(jax.jacrev(loss))(x),
+            jax.jvp(lambda y: jax.jvp(marginals, (y,), (v32,))[1], (x,), (v32,))[1],
+        )
+
+    mu, along_v, gradient, gradients, jacobian, hessian, reverse_hessian, twice = every_mode(x)
+    np.testing.assert_allclose(mu, mean, **tol)
+    np.testing.assert_allclose(along_v, np.einsum("bij,bj->bi", cov, v), **tol)
+    np.testing.assert_allclose(gradient, np.einsum("bij,bi->bj", cov, w), **tol)
+    np.testing.assert_allclose(gradients[0], gradient, **tol)
+    halved = [_enumerated_moments(0.5 * logits[row], int(ks[row]))[1] for row in range(4)]
+    np.testing.assert_allclose(gradients[1], np.einsum("bij,bi->bj", halved, w), **tol)
+    # Jacobians and Hessians are block diagonal in the rows: (rows, n, rows, n).
+    blocks = np.arange(4)
+    np.testing.assert_allclose(np.asarray(jacobian)[blocks, :, blocks], cov, **tol)
+    expected = np.einsum("bi,bijl->bjl", w, third)
+    for second in (hessian, reverse_hessian):
+        np.testing.assert_allclose(np.asarray(second)[blocks, :, blocks], expected, **tol)
+    np.testing.assert_allclose(twice, np.einsum("bijl,bj,bl->bi", third, v, v), **tol)
+
+
+@pytest.mark.user_config_only
+@pytest.mark.parametrize("dtype", [np.float32])
+def test_jax_general_marginals_reverse_mode_matches_the_kernels_own_derivative(dtype):
+    """Through the dispatch at a size the general kernels serve (n = 300, k_max 32; float32,
+    where the tables span the widest range): the gradient of a loss of the marginals against
+    JAX's own derivative of the kernels (the rule before the tangent pass), and its symmetry
+    with the forward derivative (the Jacobian is a covariance)."""
+    from numpyro_constrained import exactly_k_tangent as tangent
+
+    rng = np.random.default_rng(8)
+    logits = rng.normal(0.0, 2.0, size=(2, 300))
+    logits[0, :7] = -np.inf
+    logits[1, 3] = 40.0
+    x = jnp.asarray(logits, dtype)
+    ks = jnp.asarray([5, 20])
+    w = jnp.asarray(rng.normal(size=(2, 300)), dtype)
+    padded, k_max, _ = jax_kernels._to_bucket(x, 20)
+
+    def reference(y):  # the kernels differentiated by JAX itself, on the padded logits
+        pad = jnp.full((2, padded.shape[-1] - 300), -jnp.inf, dtype)
+        mu = tangent._kernel_marginals(jnp.concatenate([y, pad], -1), ks.astype(jnp.int32), k_max)
+        return (mu[:, :300] * w).sum()
+
+    def loss(y):
+        return (jax_kernels.marginals(y, ks, 20) * w).sum()
+
+    @jax.jit
+    def both(y):
+        forward = jax.jvp(lambda y: jax_kernels.marginals(y, ks, 20), (y,), (w,))[1]
+        return jax.grad(loss)(y), jax.grad(reference)(y), forward
+
+    gradient, expected, forward = both(x)
+    np.testing.assert_allclose(gradient, expected, rtol=0, atol=3e-6)
+    np.testing.assert_allclose(gradient, forward, rtol=0, atol=3e-6)
