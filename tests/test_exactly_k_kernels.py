@@ -856,6 +856,9 @@ def test_jax_marginals_tangent_pass_matches_enumerated_cumulants_in_every_mode(d
     np.testing.assert_allclose(twice, np.einsum("bijl,bj,bl->bi", third, v, v), **tol)
 
 
+# slow: the enumeration test above checks the rule in every mode at small n; this one the
+# dispatch at n = 300 (about 20 s of compilation).
+@pytest.mark.slow
 @pytest.mark.user_config_only
 @pytest.mark.parametrize("dtype", [np.float32])
 def test_jax_general_marginals_reverse_mode_matches_the_kernels_own_derivative(dtype):
