@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from numpyro_constrained._products import matmul
 from numpyro_constrained.exactly_k_convolution import _pad_last
 from numpyro_constrained.exactly_k_tree import _Loop
 
@@ -35,8 +36,8 @@ def _prefix_sums(weight: jax.Array) -> jax.Array:
     additions that XLA fuses into the kernel that uses them; wider, as products with
     triangular matrices of ones: within blocks of ``_PREFIX_BLOCK``, then the sums of the
     blocks before (two or three kernels; their extra multiply-adds, ``_PREFIX_BLOCK`` per
-    entry, cost less at run time than the tree's passes). ``HIGHEST`` precision: a GPU's
-    default float32 product rounds to 10 bits."""
+    entry, cost less at run time than the tree's passes). The products are ``_products``'s,
+    at full precision on a GPU too."""
     width = weight.shape[-1]
     if width <= _UNROLLED_PREFIX_WIDTH:
         sums = [weight[..., 0]]
@@ -49,10 +50,10 @@ def _prefix_sums(weight: jax.Array) -> jax.Array:
     tiled = tiled.reshape(weight.shape[:-1] + (blocks, block))
     # NumPy constants, embedded in the program (jnp.triu compiles into a kernel per shape).
     upper = jnp.asarray(np.triu(np.ones((block, block))), weight.dtype)
-    sums = jnp.matmul(tiled, upper, precision=lax.Precision.HIGHEST)
+    sums = matmul(tiled, upper)
     if blocks > 1:
         strictly_upper = jnp.asarray(np.triu(np.ones((blocks, blocks)), 1), weight.dtype)
-        before = jnp.matmul(sums[..., -1], strictly_upper, precision=lax.Precision.HIGHEST)
+        before = matmul(sums[..., -1], strictly_upper)
         sums = sums + before[..., None]
     return sums.reshape(weight.shape[:-1] + (blocks * block,))[..., :width]
 

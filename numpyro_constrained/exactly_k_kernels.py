@@ -35,7 +35,7 @@ from numpyro_constrained import exactly_k_small as _small
 from numpyro_constrained import exactly_k_tangent as _tangent
 from numpyro_constrained.exactly_k_draw import _draw
 from numpyro_constrained.exactly_k_tilt import count, tilt
-from numpyro_constrained.exactly_k_tree import _marginals_from, _prepare
+from numpyro_constrained.exactly_k_tree import _marginals_from, _prepare, flatten
 from numpyro_constrained.exactly_k_values import (
     NormalizerParts,
     _parts_from,
@@ -189,11 +189,9 @@ def marginals(logits: jax.Array, k: jax.Array, k_max: int) -> jax.Array:
 def _marginals(logits: jax.Array, k: jax.Array, k_max: int) -> jax.Array:
     if k_max == 0:
         return jnp.zeros_like(logits)
-    n = logits.shape[-1]
-    flat_k = jnp.broadcast_to(jnp.asarray(k), logits.shape[:-1]).reshape(-1).astype(jnp.int32)
     # Its derivative is the tangent pass of exactly_k_tangent, which reverse mode transposes
     # at about the cost of a forward derivative.
-    return _tangent.marginals(logits.reshape(-1, n), flat_k, k_max).reshape(logits.shape)
+    return _tangent.marginals(*flatten(logits, k), k_max).reshape(logits.shape)
 
 
 def marginals_and_complements(

@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from numpyro_constrained.exactly_k_tree import flatten
+
 # The largest n that takes this path, and the most table entries (batch * n * (k_max + 1)):
 # under jit the small path was 2.4x to 2.6x faster than the general kernels up to batch 128
 # at n = 50, k = 5 (rsample plus gradient, 38400 entries), and 2x to 4x slower at batch 256,
@@ -186,21 +188,16 @@ def _marginal_pair_jvp(k_max, primals, tangents):
     return (mu, complement), (mu * complement * d, jnp.zeros_like(complement))
 
 
-def _flatten(logits, k):
-    k = jnp.broadcast_to(jnp.asarray(k), logits.shape[:-1]).reshape(-1).astype(jnp.int32)
-    return logits.reshape(-1, logits.shape[-1]), k
-
-
 @partial(jax.jit, static_argnames="k_max")
 def marginals_and_complements(logits, k, k_max: int):
     """(mu, 1 - mu without rounding, no derivative), shape ``batch + (n,)``."""
-    mu, complement = _marginal_pair(*_flatten(logits, k), k_max)
+    mu, complement = _marginal_pair(*flatten(logits, k), k_max)
     return mu.reshape(logits.shape), lax.stop_gradient(complement).reshape(logits.shape)
 
 
 @partial(jax.jit, static_argnames="k_max")
 def marginals(logits, k, k_max: int):
-    return _marginal_pair(*_flatten(logits, k), k_max)[0].reshape(logits.shape)
+    return _marginal_pair(*flatten(logits, k), k_max)[0].reshape(logits.shape)
 
 
 def _draw(key, tables, k, num_samples: int):
@@ -222,7 +219,7 @@ def _draw(key, tables, k, num_samples: int):
 @partial(jax.jit, static_argnames=("k_max", "sample_shape"))
 def sample(key, logits, k, k_max: int, sample_shape: tuple = ()):
     """Exact draws, shape ``sample_shape + batch + (n,)`` in the logits' dtype."""
-    flat_logits, flat_k = _flatten(lax.stop_gradient(logits), k)
+    flat_logits, flat_k = flatten(lax.stop_gradient(logits), k)
     tables = _prepare(flat_logits, flat_k, k_max)[3][0]
     counts = _draw(key, tables, flat_k, math.prod(sample_shape))
     z = counts[..., : logits.shape[-1]].astype(logits.dtype)

@@ -21,8 +21,8 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
+from numpyro_constrained._products import matmul
 from numpyro_constrained.exactly_k_convolution import _convolve, _correlate
 from numpyro_constrained.exactly_k_tilt import tilt
 from numpyro_constrained.exactly_k_tree import (
@@ -70,7 +70,7 @@ def _jvp(k_max, primals, tangents):
     return mu, _tangent(tangents[0], saved)
 
 
-def _products(pairs: jax.Array, out_width: int):
+def _level_products(pairs: jax.Array, out_width: int):
     """(rescaled products of the pairs, their scale, where they were kept): one level of the
     upward pass without FFT (``exactly_k_tree._merge``), with what its tangent needs."""
     raw = _convolve(pairs[:, :, 0], pairs[:, :, 1], out_width)
@@ -89,7 +89,7 @@ def _matrix(table: jax.Array, index: jax.Array) -> jax.Array:
 def _apply(tangent: jax.Array, factor: jax.Array) -> jax.Array:
     """``sum_r tangent[..., r] factor[..., r, c]``: a product with a constant matrix, which JAX
     transposes into another."""
-    return jnp.einsum("...r,...rc->...c", tangent, factor, precision=lax.Precision.HIGHEST)
+    return matmul(tangent[..., None, :], factor)[..., 0, :]
 
 
 def _up_factors(left, right, out_width):
@@ -122,7 +122,7 @@ def _forward(logits, k, k_max: int):
         if nodes % 2 == 1:
             tables, _ = _with_empty_nodes(tables, None, 1)
         pairs = tables.reshape(batch, -1, 2, width)
-        tables, scale, kept = _products(pairs, out_width)
+        tables, scale, kept = _level_products(pairs, out_width)
         up.append((nodes % 2 == 1, scale, kept, _up_factors(*_unstack(pairs), out_width)))
         children.append(pairs)
     outside = jax.nn.one_hot(k, tables.shape[-1], dtype=tables.dtype)[:, None, :]

@@ -322,13 +322,18 @@ def _downward_loop(root_outside, loop: _Loop, k, total, fft) -> jax.Array:
     return lax.scan(step, start, levels, reverse=True)[0][:, : loop.nodes]
 
 
+def flatten(logits: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(logits as ``(batch, n)``, ``k`` broadcast to the batch as int32 ``(batch,)``): the
+    layout every kernel works in."""
+    k = jnp.broadcast_to(jnp.asarray(k), logits.shape[:-1]).reshape(-1).astype(jnp.int32)
+    return logits.reshape(-1, logits.shape[-1]), k
+
+
 def _prepare(logits: jax.Array, k: jax.Array, k_max: int, for_marginals: bool):
     """Flattened tilted inputs, leaf weights, and the upward pass (``exponent``: the sum of
     the internal nodes' factors' base-2 logarithms, a whole number in the wide dtype).
     ``for_marginals``: whether the tables will feed a downward pass (see ``_use_fft``)."""
-    n = logits.shape[-1]
-    flat_logits = logits.reshape(-1, n)
-    flat_k = jnp.broadcast_to(jnp.asarray(k), logits.shape[:-1]).reshape(-1).astype(jnp.int32)
+    flat_logits, flat_k = flatten(logits, k)
     c = tilt(flat_logits, flat_k)
     x = flat_logits + c
     weights, leaf_tables = _leaves(x, k_max)
