@@ -207,7 +207,10 @@ def pytest_sessionfinish(session):
 # with x64 on: for tests that compare values to a tolerance, where x64 off is the harder case
 # (x64 on lets the library accumulate in float64) and the x64 variant only repeated it at
 # the cost of its compilations. Not for tests of dtypes: x64 on is where float32 can be
-# promoted.
+# promoted. ``user_config_slow`` marks a test's user-config variants ``slow`` (run by
+# ``python -m pytest -m slow``, tests/slow.py): for heavy tests whose x64 float32 variant
+# checks the same property in the default run, where the optimised compilations of the
+# user-config variant cost the suite's time budget more than they add.
 USER_CONFIG_MODULES = {
     "test_conditioned_poisson_agreement",
     "test_conditioned_poisson_numpyro",
@@ -272,6 +275,10 @@ def pytest_configure(config):
         "markers",
         "user_config_only: its JAX float32 variants run with x64 off only (see conftest.py)",
     )
+    config.addinivalue_line(
+        "markers",
+        "user_config_slow: its user-config variants are marked slow (see conftest.py)",
+    )
 
 
 def pytest_generate_tests(metafunc):
@@ -287,6 +294,8 @@ def _only_in_user_config(item) -> bool:
     return params.get("framework") != "torch" and any(map(_is_float32, params.values()))
 
 
+# tryfirst: the slow marks added here must be in place when -m "not slow" deselects.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     selected, deselected = [], []
     for item in items:
@@ -294,6 +303,8 @@ def pytest_collection_modifyitems(config, items):
         mode = None if callspec is None else callspec.params.get("_jax_mode")
         if mode == _USER_CONFIG:
             (selected if _wants_user_config(item) else deselected).append(item)
+            if item.get_closest_marker("user_config_slow"):
+                item.add_marker(pytest.mark.slow)
         elif mode == "x64" and _only_in_user_config(item):
             deselected.append(item)
         else:

@@ -84,6 +84,8 @@ def _jax_results(dtype):
     return out
 
 
+# The user-config variant runs with the slow tests (see test_exactly_k_bernoulli_agreement).
+@pytest.mark.user_config_slow
 @pytest.mark.parametrize("dtype_name", ["float32", "float64"])
 def test_torch_and_jax_agree(dtype_name):
     torch_out = _torch_results(TORCH_DTYPES[dtype_name])

@@ -172,9 +172,13 @@ ONE_PER_CLASS = [
 ]
 
 
-def params_for(test_name: str, cases=ALL_CASES):
-    """``pytest.param`` per case of ``test_name``, with the case id."""
-    return [pytest.param(case, id=case.id) for case in cases]
+def params_for(test_name: str, cases=ALL_CASES, slow_ids=()):
+    """``pytest.param`` per case of ``test_name``, with the case id; those in ``slow_ids``
+    marked slow."""
+    return [
+        pytest.param(case, id=case.id, marks=pytest.mark.slow if case.id in slow_ids else ())
+        for case in cases
+    ]
 
 
 def classes_for(test_name: str):
@@ -546,9 +550,14 @@ def test_log_prob_gradient(case):
 
 # Its float32 settings run with x64 off only (user_config_only): jitted against eager values
 # to a tolerance, where x64 off is the harder case. A count traced as int64 (x64 on) is
-# compiled by test_k_max (EKB, CP), test_vmap_dist and test_promote_batch_shape.
+# compiled by test_k_max (EKB, CP), test_vmap_dist and test_promote_batch_shape. The
+# unbatched EKB and CP settings run with the slow tests: the default run keeps each class's
+# per-batch k, which is traced as an array too.
 @pytest.mark.user_config_only
-@pytest.mark.parametrize("case", params_for("test_jit_log_likelihood", SMALL_CASES))
+@pytest.mark.parametrize(
+    "case",
+    params_for("test_jit_log_likelihood", SMALL_CASES, slow_ids=("ekb-unbatched", "cp-unbatched")),
+)
 # Validation on only: the checks must be skipped for tracers (decision 5); with it off the
 # computation is the same (one compilation per case is the cost of this test).
 @pytest.mark.parametrize("validate_args", [True])

@@ -797,7 +797,7 @@ def _enumerated_moments(logits, k: int):
 
 
 @pytest.mark.user_config_only
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("dtype", [np.float32, pytest.param(np.float64, marks=pytest.mark.slow)])
 def test_jax_marginals_tangent_pass_matches_enumerated_cumulants_in_every_mode(dtype):
     """The marginals' derivative rule of the general kernels (exactly_k_tangent, a tangent
     pass whose transpose is reverse mode) in forward, reverse, forward-over-reverse and
@@ -835,6 +835,8 @@ def test_jax_marginals_tangent_pass_matches_enumerated_cumulants_in_every_mode(d
             jax.grad(loss)(x),
             jax.vmap(jax.grad(loss))(jnp.stack([x, 0.5 * x])),
             jax.jacfwd(marginals)(x),
+# float64 with the slow tests: float32 with x64 off, the users' configuration, checks every
+# mode in the default run.
             jax.hessian(loss)(x),  # forward over reverse
             jax.jacrev(jax.jacrev(loss))(x),
             jax.jvp(lambda y: jax.jvp(marginals, (y,), (v32,))[1], (x,), (v32,))[1],
