@@ -140,8 +140,41 @@ def _normalizer_parts(logits: jax.Array, k: jax.Array, k_max: int) -> Normalizer
     logits = lax.stop_gradient(logits)
     if k_max == 0:
         return _zero_parts(logits)
-    flat_k, c, _, root, _, exponent, _ = _prepare(logits, jnp.asarray(k), k_max, False)
-    return _parts_from(logits, flat_k, c, root, exponent)
+    flat_k, c, weights, root, levels, exponent, fft = _prepare(logits, jnp.asarray(k), k_max, False)
+    parts = _parts_from(logits, flat_k, c, root, exponent)
+    if fft is None:  # no FFT level: the marginals' own upward pass would be this one
+        parts = parts._replace(marginals=_KeptPass(flat_k, weights, root, levels))
+    return parts
+
+
+@jax.tree_util.register_pytree_node_class
+class _KeptPass:
+    """An upward pass kept by ``normalizer_parts``; called, the marginals (flattened to
+    (batch, n), no gradient) by one downward pass over it. A pytree whose children are the
+    tables and whose structure holds the Python values among them (the levels' padding, the
+    top loop's node count), so that it passes through ``jit`` and ``custom_jvp`` as arrays
+    only."""
+
+    def __init__(self, flat_k, weights, root, levels):
+        self.pass_ = (flat_k, weights, root, levels)
+
+    def __call__(self) -> jax.Array:
+        return lax.stop_gradient(_marginals_from(*self.pass_, None))
+
+    def tree_flatten(self):
+        leaves, structure = jax.tree_util.tree_flatten(self.pass_)
+        static = tuple(leaf if isinstance(leaf, (bool, int)) else None for leaf in leaves)
+        children = [leaf for leaf in leaves if not isinstance(leaf, (bool, int))]
+        return children, (structure, static)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        structure, static = aux
+        children = iter(children)
+        leaves = [next(children) if value is None else value for value in static]
+        kept = object.__new__(cls)
+        kept.pass_ = jax.tree_util.tree_unflatten(structure, leaves)
+        return kept
 
 
 @partial(jax.custom_jvp, nondiff_argnums=(2,))
@@ -154,8 +187,24 @@ def _log_normalizer_jvp(k_max, primals, tangents):
     logits, k, parts = primals
     d_logits = tangents[0]
     value = _log_normalizer(logits, k, k_max, parts)
-    mu = _marginals(logits, k, k_max)
+    if parts.marginals is None:
+        mu = _marginals(logits, k, k_max)
+    else:  # one downward pass over the parts' upward pass
+        mu = _marginals_of_kept_pass(logits, k, k_max, parts.marginals)
     return value, (mu * d_logits).sum(-1)
+
+
+@partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _marginals_of_kept_pass(logits, k, k_max: int, kept: _KeptPass) -> jax.Array:
+    """``_marginals(logits, k, k_max)`` from the kept pass of ``logits``' parts, with the
+    marginals' own derivative (so that second derivatives of the normaliser are right)."""
+    return kept().reshape(logits.shape)
+
+
+@_marginals_of_kept_pass.defjvp
+def _marginals_of_kept_pass_jvp(k_max, primals, tangents):
+    logits, k, _ = primals
+    return jax.jvp(lambda x: _marginals(x, k, k_max), (logits,), (tangents[0],))
 
 
 def log_normalizer(

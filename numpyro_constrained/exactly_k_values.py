@@ -41,6 +41,12 @@ class NormalizerParts(NamedTuple):
     # (x64 off), where log_reduced (about n / 3) has lost the digits of a small difference.
     log_root: jax.Array
     exponent: jax.Array
+    # Where the parts come from an upward pass that the marginals' own pass would repeat
+    # exactly (no FFT level): a pytree that returns the marginals (no gradient, flattened to
+    # (batch, n)) by one downward pass over its tables when called, so that log_normalizer's
+    # derivative need not repeat the upward pass (as the torch parts' ``marginals``); None
+    # otherwise.
+    marginals: object = None
 
 
 def _parts_from(logits, flat_k, c, root, exponent) -> NormalizerParts:

@@ -175,6 +175,45 @@ def test_jax_second_derivatives_match_finite_differences():
     assert np.abs(np.asarray(gradient(logits) - expected)).max() < 1e-14
 
 
+def _primitives_within(jaxpr, name: str) -> int:
+    """How many equations of primitive ``name`` ``jaxpr`` holds, nested jaxprs included."""
+    found = 0
+    for equation in jaxpr.eqns:
+        found += equation.primitive.name == name
+        for parameter in equation.params.values():
+            for item in parameter if isinstance(parameter, (tuple, list)) else (parameter,):
+                inner = getattr(item, "jaxpr", item)  # a ClosedJaxpr holds a Jaxpr
+                if hasattr(inner, "eqns"):
+                    found += _primitives_within(inner, name)
+    return found
+
+
+@pytest.mark.parametrize("k_max", [4, 64])
+def test_jax_log_normalizer_gradient_reuses_the_upward_pass_of_its_value(k_max):
+    """log_prob plus gradient is one tilt and one upward pass, then one downward pass (issue
+    30): the gradient takes the marginals from the tables of the value's upward pass, where
+    no level is wide enough for the FFT. The tilt's Newton iterations are ``while`` loops
+    and the upward and downward passes rescale every level through ``bitcast_convert_type``;
+    the gradient's program repeated the tilt and the upward pass before."""
+    logits = jnp.asarray(np.random.default_rng(5).normal(size=(2, 100)))
+    ks = jnp.asarray([3, k_max])
+
+    def value(x):
+        return jax_kernels.log_normalizer(x, ks, k_max).sum()
+
+    forward = jax.make_jaxpr(value)(logits).jaxpr
+    with_gradient = jax.make_jaxpr(jax.value_and_grad(value))(logits).jaxpr
+    marginals = jax.make_jaxpr(lambda x: jax_kernels._marginals(x, ks, k_max))(logits).jaxpr
+    assert _primitives_within(with_gradient, "while") == _primitives_within(forward, "while") > 0
+    upward = _primitives_within(forward, "bitcast_convert_type")
+    both_passes = _primitives_within(marginals, "bitcast_convert_type")
+    assert both_passes > upward > 0
+    assert _primitives_within(with_gradient, "bitcast_convert_type") == both_passes
+    # The gradient is still the marginals.
+    gradient = jax.grad(value)(logits)
+    np.testing.assert_allclose(gradient, jax_kernels._marginals(logits, ks, k_max), rtol=1e-12)
+
+
 def _draw(framework, logits, ks, num_samples, dtype=np.float64):
     n = logits.shape[-1]
     if framework == "torch":
@@ -796,6 +835,8 @@ def _enumerated_moments(logits, k: int):
     )
 
 
+# float64 with the slow tests: float32 with x64 off, the users' configuration, checks every
+# mode in the default run.
 @pytest.mark.user_config_only
 @pytest.mark.parametrize("dtype", [np.float32, pytest.param(np.float64, marks=pytest.mark.slow)])
 def test_jax_marginals_tangent_pass_matches_enumerated_cumulants_in_every_mode(dtype):
@@ -835,8 +876,6 @@ def test_jax_marginals_tangent_pass_matches_enumerated_cumulants_in_every_mode(d
             jax.grad(loss)(x),
             jax.vmap(jax.grad(loss))(jnp.stack([x, 0.5 * x])),
             jax.jacfwd(marginals)(x),
-# float64 with the slow tests: float32 with x64 off, the users' configuration, checks every
-# mode in the default run.
             jax.hessian(loss)(x),  # forward over reverse
             jax.jacrev(jax.jacrev(loss))(x),
             jax.jvp(lambda y: jax.jvp(marginals, (y,), (v32,))[1], (x,), (v32,))[1],
