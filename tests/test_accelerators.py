@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from tests.conformance_cases import ALL_CASES, Case
+from tests.jaxprs import jaxprs_within
 
 # float32: the accelerator's reductions and transcendental functions round differently
 # (a different summation order, fused multiply-adds), a few ulps of values of order 10.
@@ -338,17 +339,6 @@ def test_jax_accelerator_matches_cpu(case: Case, platform: str):
     _assert_same(on_device, on_cpu, case)
 
 
-def _jaxprs_within(jaxpr):
-    """``jaxpr`` and every jaxpr nested in its equations (jit, custom rules, control flow)."""
-    yield jaxpr
-    for equation in jaxpr.eqns:
-        for parameter in equation.params.values():
-            for item in parameter if isinstance(parameter, (tuple, list)) else (parameter,):
-                inner = getattr(item, "jaxpr", item)  # a ClosedJaxpr holds a Jaxpr
-                if hasattr(inner, "eqns"):
-                    yield from _jaxprs_within(inner)
-
-
 @pytest.mark.parametrize("case", ALL_CASES, ids=str)
 def test_jax_products_ask_for_highest_precision(case: Case):
     # On an H100, float32 LinearConstrainedNormal samples missed A z = k by 5e-4 relative
@@ -376,7 +366,7 @@ def test_jax_products_ask_for_highest_precision(case: Case):
     # The library's own products only: the derivative rules of JAX's QR multiply at JAX's
     # default precision (docs/numerics.md says how to raise it).
     highest = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
-    for jaxpr in _jaxprs_within(jax.make_jaxpr(quantities)(floats).jaxpr):
+    for jaxpr in jaxprs_within(jax.make_jaxpr(quantities)(floats).jaxpr):
         for equation in jaxpr.eqns:
             if equation.primitive.name == "dot_general":
                 assert equation.params["precision"] == highest, str(equation)[:300]

@@ -21,6 +21,7 @@ from numpyro_constrained import exactly_k_kernels as jax_kernels
 from numpyro_constrained import exactly_k_tree as jax_tree
 from pyro_constrained import exactly_k_kernels as torch_kernels
 from pyro_constrained import exactly_k_tree as torch_tree
+from tests.jaxprs import count_primitive
 from tests.oracles import exactly_k as oracle
 
 
@@ -175,19 +176,6 @@ def test_jax_second_derivatives_match_finite_differences():
     assert np.abs(np.asarray(gradient(logits) - expected)).max() < 1e-14
 
 
-def _primitives_within(jaxpr, name: str) -> int:
-    """How many equations of primitive ``name`` ``jaxpr`` holds, nested jaxprs included."""
-    found = 0
-    for equation in jaxpr.eqns:
-        found += equation.primitive.name == name
-        for parameter in equation.params.values():
-            for item in parameter if isinstance(parameter, (tuple, list)) else (parameter,):
-                inner = getattr(item, "jaxpr", item)  # a ClosedJaxpr holds a Jaxpr
-                if hasattr(inner, "eqns"):
-                    found += _primitives_within(inner, name)
-    return found
-
-
 @pytest.mark.parametrize("k_max", [4, 64])
 def test_jax_log_normalizer_gradient_reuses_the_upward_pass_of_its_value(k_max):
     """log_prob plus gradient is one tilt and one upward pass, then one downward pass (issue
@@ -204,11 +192,11 @@ def test_jax_log_normalizer_gradient_reuses_the_upward_pass_of_its_value(k_max):
     forward = jax.make_jaxpr(value)(logits).jaxpr
     with_gradient = jax.make_jaxpr(jax.value_and_grad(value))(logits).jaxpr
     marginals = jax.make_jaxpr(lambda x: jax_kernels._marginals(x, ks, k_max))(logits).jaxpr
-    assert _primitives_within(with_gradient, "while") == _primitives_within(forward, "while") > 0
-    upward = _primitives_within(forward, "bitcast_convert_type")
-    both_passes = _primitives_within(marginals, "bitcast_convert_type")
+    assert count_primitive(with_gradient, "while") == count_primitive(forward, "while") > 0
+    upward = count_primitive(forward, "bitcast_convert_type")
+    both_passes = count_primitive(marginals, "bitcast_convert_type")
     assert both_passes > upward > 0
-    assert _primitives_within(with_gradient, "bitcast_convert_type") == both_passes
+    assert count_primitive(with_gradient, "bitcast_convert_type") == both_passes
     # The gradient is still the marginals.
     gradient = jax.grad(value)(logits)
     np.testing.assert_allclose(gradient, jax_kernels._marginals(logits, ks, k_max), rtol=1e-12)
