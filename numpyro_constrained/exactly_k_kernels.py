@@ -152,28 +152,29 @@ class _KeptPass:
     """An upward pass kept by ``normalizer_parts``; called, the marginals (flattened to
     (batch, n), no gradient) by one downward pass over it. A pytree whose children are the
     tables and whose structure holds the Python values among them (the levels' padding, the
-    top loop's node count), so that it passes through ``jit`` and ``custom_jvp`` as arrays
-    only."""
+    top loop's node count), decided once here, so that it passes through ``jit`` and
+    ``custom_jvp`` as arrays only, whatever JAX puts in the children's places."""
 
     def __init__(self, flat_k, weights, root, levels):
-        self.pass_ = (flat_k, weights, root, levels)
+        leaves, structure = jax.tree_util.tree_flatten((flat_k, weights, root, levels))
+        static = tuple(leaf if isinstance(leaf, (bool, int)) else None for leaf in leaves)
+        self._structure = (structure, static)
+        self._children = [leaf for leaf, value in zip(leaves, static, strict=True) if value is None]
 
     def __call__(self) -> jax.Array:
-        return lax.stop_gradient(_marginals_from(*self.pass_, None))
+        structure, static = self._structure
+        children = iter(self._children)
+        leaves = [next(children) if value is None else value for value in static]
+        flat_k, weights, root, levels = jax.tree_util.tree_unflatten(structure, leaves)
+        return lax.stop_gradient(_marginals_from(flat_k, weights, root, levels, None))
 
     def tree_flatten(self):
-        leaves, structure = jax.tree_util.tree_flatten(self.pass_)
-        static = tuple(leaf if isinstance(leaf, (bool, int)) else None for leaf in leaves)
-        children = [leaf for leaf in leaves if not isinstance(leaf, (bool, int))]
-        return children, (structure, static)
+        return self._children, self._structure
 
     @classmethod
-    def tree_unflatten(cls, aux, children):
-        structure, static = aux
-        children = iter(children)
-        leaves = [next(children) if value is None else value for value in static]
+    def tree_unflatten(cls, structure, children):
         kept = object.__new__(cls)
-        kept.pass_ = jax.tree_util.tree_unflatten(structure, leaves)
+        kept._structure, kept._children = structure, list(children)
         return kept
 
 
