@@ -299,11 +299,20 @@ def call_every_method(d, value=None):
 
 
 # Every setting with a sample shape; the representative subset without one too (each new
-# sample shape compiles every eager operation again).
+# sample shape compiles every eager operation again). Shapes do not depend on the dtype: the
+# float64 settings run with the slow tests (the other tests of this file run them too).
 @pytest.mark.parametrize(
     "case, prepend_shape",
-    [pytest.param(case, (2,), id=f"(2,)-{case.id}") for case in ALL_CASES]
-    + [pytest.param(case, (), id=f"()-{case.id}") for case in CORE_CASES],
+    [
+        pytest.param(
+            case,
+            shape,
+            id=f"{shape}-{case.id}",
+            marks=pytest.mark.slow if case.id.endswith("float64") else (),
+        )
+        for shape, cases in (((2,), ALL_CASES), ((), CORE_CASES))
+        for case in cases
+    ],
 )
 def test_dist_shape(case, prepend_shape):
     d = build(case)
@@ -601,6 +610,9 @@ def test_jit_closed_over_constants(case):
 _NUM_MOMENT_SAMPLES = 2000
 
 
+# The user-config variants (x64 off, optimised XLA) run with the slow tests: the same
+# float32 settings with x64 on compare the same moments in the default run.
+@pytest.mark.user_config_slow
 @pytest.mark.parametrize("case", params_for("test_mean_var", MOMENT_CASES))
 def test_mean_var(case):
     """``mean`` and ``variance`` against sample moments: shapes ``batch + event`` (as

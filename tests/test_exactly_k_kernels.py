@@ -492,7 +492,10 @@ def _jax_tree(logits, ks, k_max, for_marginals):
 @pytest.mark.parametrize(
     "k_max, ks",
     [
-        (64, [20, 40, 64]),
+        # With the slow tests too: the default run checks the loop's draws against
+        # enumeration (test_jax_top_levels_loop_samples_follow_the_enumerated_pmf), and
+        # every test at n above a few hundred runs it.
+        pytest.param(64, [20, 40, 64], marks=pytest.mark.slow),
         pytest.param(256, [130, 200, 256], marks=pytest.mark.slow),
         pytest.param(512, [300, 400, 500], marks=pytest.mark.slow),
     ],
