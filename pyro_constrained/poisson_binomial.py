@@ -78,7 +78,8 @@ def _half_pmf(theta: torch.Tensor, half: torch.Tensor) -> torch.Tensor:
     device = theta.device
     out = torch.full((rows, n + 1), -torch.inf, dtype=torch.float64, device=device)
     best = torch.full((rows, n + 1), -1.0, dtype=torch.float64, device=device)
-    needed = torch.arange(n + 1, device=device)[None, :] <= half[:, None]
+    counts = torch.arange(n + 1, device=device)
+    needed = counts[None, :] <= half[:, None]
     target = torch.zeros(rows, dtype=torch.long, device=device)
     # a window's upper half-width, in counts
     reach = torch.zeros(rows, dtype=torch.long, device=device)
@@ -106,7 +107,7 @@ def _half_pmf(theta: torch.Tensor, half: torch.Tensor) -> torch.Tensor:
             above = torch.where(accept & (j[None, :] >= t[group][:, None]), j, -1).amax(-1)
             reach[rows_g] = (above - t[group]).clamp(min=0)
         covered = (best >= 0) | ~needed
-        first = torch.where(covered[index], n + 1, torch.arange(n + 1, device=device)).amin(-1)
+        first = torch.where(covered[index], n + 1, counts).amin(-1)
         done = first > half[index]
         # Aim the next pass so that its window reaches down to the first uncovered count; if
         # the last pass fell short of it, aim at it (a pass always covers its target).
