@@ -459,7 +459,10 @@ class ExactlyKBernoulli(Distribution):
             key, problem.logits, problem.k, self._table_size, tuple(sample_shape)
         )
         z = _complete_selection(z, self.logits, problem)
-        return z if self.has_rsample else lax.stop_gradient(z)
+        if not self.has_rsample:
+            return lax.stop_gradient(z)
+        # The straight-through gradient is the marginals', theirs at probs of 0 and 1 included.
+        return z + self._odds(problem).marginals if self._from_probs else z
 
     def rsample(self, key, sample_shape=()) -> jax.Array:
         """``sample``; ``NotImplementedError`` with ``grad_estimator="score_function"``."""

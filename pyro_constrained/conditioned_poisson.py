@@ -54,6 +54,7 @@ from pyro_constrained._conditioned_poisson_support import (
 )
 from pyro_constrained._conditioned_poisson_tracing import static_under_trace
 from pyro_constrained._repr import parameters_repr
+from pyro_constrained._score_parts import score_parts as _score_parts
 
 __all__ = ["ConditionedPoisson", "integer_composition", "positive_finite"]
 # The imports marked noqa are re-exports: names of the _conditioned_poisson_* modules that
@@ -138,6 +139,8 @@ class ConditionedPoisson(TorchDistribution):
         "k": constraints.nonnegative_integer,
     }
     has_rsample = True
+    # Enumerated guide sites are scored, not pathwise (see _score_parts).
+    score_parts = _score_parts
     has_enumerate_support = True
     #: The largest support that `enumerate_support` builds (a ``ValueError`` beyond it).
     max_support = 2**16

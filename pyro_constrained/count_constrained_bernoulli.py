@@ -27,6 +27,7 @@ from pyro_constrained._bernoulli_arguments import (
 )
 from pyro_constrained._ekb_terms import _infinite_slope
 from pyro_constrained._repr import parameters_repr
+from pyro_constrained._score_parts import score_parts as _score_parts
 from pyro_constrained.exactly_k_bernoulli import ExactlyKBernoulli
 from pyro_constrained.exactly_k_tracing import static_under_trace
 
@@ -104,6 +105,8 @@ class CountConstrainedBernoulli(TorchDistribution):
         "high": constraints.nonnegative_integer,
     }
     has_rsample = True
+    # Enumerated guide sites are scored, not pathwise (see _score_parts).
+    score_parts = _score_parts
     has_enumerate_support = True
     #: The largest support that `enumerate_support` builds (a ``ValueError`` beyond it).
     max_support = 2**16

@@ -46,6 +46,7 @@ from pyro_constrained._ekb_terms import (
 )
 from pyro_constrained._ekb_terms import _kl_exactly_k_bernoulli as _kl
 from pyro_constrained._repr import parameters_repr
+from pyro_constrained._score_parts import score_parts as _score_parts
 from pyro_constrained.exactly_k_tracing import _static_control_flow, static_under_trace
 
 __all__ = ["ExactlyKBernoulli", "KHot"]
@@ -139,6 +140,8 @@ class ExactlyKBernoulli(TorchDistribution):
         k=constraints.nonnegative_integer,
     )
     has_rsample = True
+    # Enumerated guide sites are scored, not pathwise (see _score_parts).
+    score_parts = _score_parts
     has_enumerate_support = True
     #: The largest support that `enumerate_support` builds (a ``ValueError`` beyond it).
     max_support = 2**16
@@ -360,9 +363,13 @@ class ExactlyKBernoulli(TorchDistribution):
         """(mu, 1 - mu): mu_i = P(z_i = 1 | sum z = k), differentiable in the parameters; its
         complement computed without rounding, carrying the derivative ``-d mu``."""
         mu, complement = self._free_marginal_pair
-        if self._odds_tangents is not None:
-            mu = mu + self._odds_tangents.marginals
+        mu = self._with_edge_derivatives(mu)
         return mu, complement.detach() - (mu - mu.detach())
+
+    def _with_edge_derivatives(self, mu: torch.Tensor) -> torch.Tensor:
+        """The marginals plus the zeros carrying their derivatives in ``probs`` at exact 0s
+        and 1s (``_odds_tangents``)."""
+        return mu if self._odds_tangents is None else mu + self._odds_tangents.marginals
 
     @property
     def _marginal_probs(self) -> torch.Tensor:
@@ -496,7 +503,7 @@ class ExactlyKBernoulli(TorchDistribution):
         )
         z = torch.where(self._forced_on, torch.ones_like(z), z.detach())
         z = torch.where(self._infeasible[..., None], torch.nan, z)
-        mu = self._complete(free, 1.0, 0.0, 0.0)
+        mu = self._with_edge_derivatives(self._complete(free, 1.0, 0.0, 0.0))
         return z + (mu - mu.detach())
 
     def _check_can_sample(self) -> None:

@@ -468,7 +468,8 @@ def _one_sided_derivatives(function, probs: np.ndarray, step: float = 1e-5) -> n
 def _probs_gradients(framework, dtype, probs, q_probs, q_same, k: int, z, weights) -> dict:
     """The library's derivatives in ``probs``; ``kl``: of KL(p || q) in p, ``kl_q``: of
     KL(p || q_same) in q_same."""
-    names = ["log_prob", "log_constraint_prob", "mean", "variance", "l2", "entropy", "kl"]
+    names = ["log_prob", "log_constraint_prob", "mean", "straight_through", "variance", "l2"]
+    names += ["entropy", "kl"]
     if framework == "torch":
         from torch.distributions import kl_divergence
 
@@ -484,6 +485,7 @@ def _probs_gradients(framework, dtype, probs, q_probs, q_same, k: int, z, weight
                 d.log_prob(tensor(z)),
                 d.log_constraint_prob(),
                 (d.mean * tensor(weights)).sum(),
+                (d.rsample() * tensor(weights)).sum(),
                 (d.variance * tensor(weights)).sum(),
                 expected_l2_loss(d, tensor(weights)),
                 d.entropy(),
@@ -511,6 +513,7 @@ def _probs_gradients(framework, dtype, probs, q_probs, q_same, k: int, z, weight
             d.log_prob(array(z)),
             d.log_constraint_prob(),
             (d.mean * array(weights)).sum(),
+            (d.sample(jax.random.PRNGKey(0)) * array(weights)).sum(),
             (d.variance * array(weights)).sum(),
             expected_l2_loss(d, array(weights)),
             d.entropy(),
@@ -547,14 +550,19 @@ def test_probs_of_exactly_zero_and_one_have_their_one_sided_derivatives(framewor
     # An infinite one-sided derivative is given as the dtype's largest finite number (a
     # true infinity would make a zero cotangent NaN).
     largest = float(np.finfo(dtype).max)
-    for name in ["log_prob", "log_constraint_prob", "mean", "variance", "l2", "kl", "kl_q"]:
+    # The straight-through draw's derivative is the marginals' (docs: "Gradient estimator").
+    names = ["log_prob", "log_constraint_prob", "mean", "straight_through", "variance", "l2", "kl"]
+    for name in names + ["kl_q"]:
         if name == "kl_q":
             expected = _one_sided_derivatives(
                 lambda q: _enumerated(probs, q, k, z, weights)["kl"], q_same
             )
         else:
             expected = _one_sided_derivatives(
-                lambda p, name=name: _enumerated(p, q_probs, k, z, weights)[name], probs
+                lambda p, name=name: _enumerated(p, q_probs, k, z, weights)[
+                    "mean" if name == "straight_through" else name
+                ],
+                probs,
             )
         got = actual[name]
         assert not np.any(np.isnan(got)), (name, got)
