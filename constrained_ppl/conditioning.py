@@ -103,7 +103,9 @@ def check_full_row_rank(r, n: int, eps: float) -> None:
     singular_values = equilibrated_singular_values(r)
     num_rows = singular_values.shape[-1]
     if not np.all(singular_values[..., -1] > n * eps * singular_values[..., 0]):
-        ratio = np.min(singular_values[..., -1] / singular_values[..., 0])
+        largest = singular_values[..., 0]
+        # A zero A (every singular value 0) is as rank-deficient as it gets: ratio 0, not NaN.
+        ratio = np.min(singular_values[..., -1] / np.where(largest > 0, largest, 1.0))
         raise ValueError(
             f"A must have full row rank {num_rows}; it is rank-deficient at the working "
             f"precision: with its rows scaled to unit length, its smallest singular value is "

@@ -410,6 +410,9 @@ class LinearConstraint:
         z = np.asarray(z)
         if not np.issubdtype(z.dtype, np.floating):
             z = z.astype(self.A.dtype)
+        not_finite = int(np.sum(np.any(~np.isfinite(z), axis=-1)))
+        if not_finite:  # their residuals and bounds are NaN: nothing to compare
+            return f"{not_finite} value(s) have NaN or infinite entries."
         A, k = np.asarray(self.A), np.asarray(k)
         residual = np.abs(np.einsum("...ij,...j->...i", A, z) - k)
         bound = np.einsum("...ij,...j->...i", np.abs(A), np.abs(z)) + np.abs(k)

@@ -304,10 +304,13 @@ class PoissonBinomial(Distribution):
         check_value_shape(jnp.shape(value), self.batch_shape, (), f"PoissonBinomial.{name}")
         shape = jnp.broadcast_shapes(jnp.shape(value), self.batch_shape)
         n = self.total_count
-        index = jnp.clip(jnp.floor(value), -1, n).astype(jnp.int32) + 1
+        # A NaN value reads NaN (as NumPyro's cdf methods give), not an index cast from NaN.
+        nan = jnp.isnan(value)
+        index = jnp.clip(jnp.floor(jnp.where(nan, 0, value)), -1, n).astype(jnp.int32) + 1
         padded = jnp.concatenate([jnp.full_like(table[..., :1], below), table], -1)
         padded = jnp.broadcast_to(padded, shape + padded.shape[-1:])
-        return jnp.take_along_axis(padded, jnp.broadcast_to(index, shape)[..., None], -1)[..., 0]
+        index = jnp.broadcast_to(index, shape)[..., None]
+        return jnp.where(nan, jnp.nan, jnp.take_along_axis(padded, index, -1)[..., 0])
 
     def log_cdf(self, value) -> jax.Array:
         """``log P(K <= value)``, relatively exact in the lower tail."""

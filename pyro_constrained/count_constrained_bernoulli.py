@@ -48,7 +48,8 @@ class CountRange(constraints.Constraint):
     def check(self, value: torch.Tensor) -> torch.Tensor:
         binary = ((value == 0) | (value == 1)).all(-1)
         total = value.sum(-1)
-        return binary & (total >= self.low.to(value.dtype)) & (total <= self.high.to(value.dtype))
+        # The bounds as integers: in a boolean value's dtype, high = 2 would be True, i.e. 1.
+        return binary & (total >= self.low) & (total <= self.high)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(low={self.low}, high={self.high})"
@@ -347,8 +348,10 @@ class CountConstrainedBernoulli(TorchDistribution):
             )
         counts, _ = self._counts
         weights = self._count_weights.detach().movedim(0, -1)  # batch + (R,)
-        rows = torch.multinomial(weights.reshape(-1, self._width), sample_shape.numel(), True)
-        rows = rows.T.reshape(sample_shape + self.batch_shape)
+        # torch.multinomial draws at least one row: an empty sample shape takes none of them.
+        draws = sample_shape.numel()
+        rows = torch.multinomial(weights.reshape(-1, self._width), max(draws, 1), True)
+        rows = rows[:, :draws].T.reshape(sample_shape + self.batch_shape)
         k = counts.movedim(0, -1).expand(sample_shape + counts.shape[1:] + (self._width,))
         k = k.gather(-1, rows[..., None])[..., 0]
         logits = self.logits.detach().expand(sample_shape + self.logits.shape)
@@ -449,10 +452,13 @@ def _kl_count_constrained(p: CountConstrainedBernoulli, q: CountConstrainedBerno
     same = torch.equal(*torch.broadcast_tensors(p.low, q.low)) and torch.equal(
         *torch.broadcast_tensors(p.high, q.high)
     )
+    # The same stacked counts: the same first and last feasible count in every batch element
+    # (the stacked ExactlyKBernoulli pairs need the same k).
+    p_counts, q_counts = p._counts[0], q._counts[0]
     if (
         not same
         or p._width != q._width
-        or not torch.equal(*torch.broadcast_tensors(p._first, q._first))
+        or not torch.equal(*torch.broadcast_tensors(p_counts, q_counts))
     ):
         raise ValueError(
             "KL between CountConstrainedBernoulli needs the same bounds (and the same "

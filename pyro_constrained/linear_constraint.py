@@ -435,6 +435,9 @@ class LinearConstraint:
     def _out_of_support_message(self, z: torch.Tensor, k: torch.Tensor) -> str:
         """What a value off the subspace violates, and how to loosen the check."""
         with torch.no_grad():
+            not_finite = int((~torch.isfinite(z.detach())).any(-1).sum())
+            if not_finite:  # their residuals and bounds are NaN: nothing to compare
+                return f"{not_finite} value(s) have NaN or infinite entries."
             residual, bound = self._violation(z.detach(), k.detach())
             rtol = self._rtol_for(z.dtype if z.is_floating_point() else self.A.dtype)
             ratio = residual / bound.clamp(min=torch.finfo(bound.dtype).tiny)

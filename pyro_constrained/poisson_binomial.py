@@ -387,10 +387,13 @@ class PoissonBinomial(TorchDistribution):
             raise ValueError(f"PoissonBinomial.{name}: value is NaN")
         shape = torch.broadcast_shapes(value.shape, self.batch_shape)
         n = self.total_count
-        index = torch.floor(value).clamp(min=-1, max=n).long() + 1
+        # A NaN value reads NaN (validation off), not an index cast from NaN.
+        nan = torch.isnan(value)
+        index = torch.floor(torch.where(nan, 0.0, value)).clamp(min=-1, max=n).long() + 1
         padded = torch.cat([torch.full_like(table[..., :1], below), table], -1)
         padded = padded.expand(shape + padded.shape[-1:])
-        return padded.gather(-1, index.expand(shape)[..., None])[..., 0]
+        result = padded.gather(-1, index.expand(shape)[..., None])[..., 0]
+        return torch.where(nan, torch.nan, result)
 
     def log_cdf(self, value: torch.Tensor) -> torch.Tensor:
         """``log P(K <= value)``, relatively exact in the lower tail."""

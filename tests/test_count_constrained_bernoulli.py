@@ -111,6 +111,44 @@ def test_enumerate_support_and_kl():
         )
 
 
+def test_kl_needs_the_same_feasible_range_in_every_batch_element():
+    """The same bounds and first feasible count, but a -inf logit that takes count 5 away
+    from a different element of p and of q: a clear ValueError in both packages (torch
+    compared only the first count and the width, and failed inside the stacked
+    ExactlyKBernoulli KL with "needs the same k")."""
+    inf = np.inf
+    p = np.array([[0.1, 0.2, -0.3, 0.4, -inf], [0.1, 0.2, -0.3, 0.4, 0.5]])
+    q = np.array([[0.3, -0.2, 0.1, 0.0, 0.2], [0.3, -0.2, 0.1, 0.0, -inf]])
+    with pytest.raises(ValueError, match="same bounds"):
+        torch.distributions.kl_divergence(
+            pc.CountConstrainedBernoulli(logits=torch.tensor(p), low=0, high=5),
+            pc.CountConstrainedBernoulli(logits=torch.tensor(q), low=0, high=5),
+        )
+    with pytest.raises(ValueError, match="same feasible range"):
+        jax_kl(
+            nc.CountConstrainedBernoulli(logits=jnp.asarray(p), low=0, high=5),
+            nc.CountConstrainedBernoulli(logits=jnp.asarray(q), low=0, high=5),
+        )
+
+
+def test_empty_sample_shapes_and_boolean_values():
+    """A sample shape with a 0 gives an empty draw (torch.multinomial refused to draw
+    none); a boolean value is a 0/1 vector (the torch support check cast high = 2 to True)."""
+    t = pc.CountConstrainedBernoulli(logits=torch.zeros(3, 4), low=1, high=2, validate_args=True)
+    j = nc.CountConstrainedBernoulli(logits=jnp.zeros((3, 4)), low=1, high=2, validate_args=True)
+    for shape in [(0,), (2, 0)]:
+        assert t.sample(shape).shape == shape + (3, 4)
+        assert t.rsample(shape).shape == shape + (3, 4)
+        assert j.sample(jax.random.PRNGKey(0), shape).shape == shape + (3, 4)
+    value = np.array([True, True, False, False])
+    expected = np.log(1 / (4 + 6))  # uniform over the 4 + 6 vectors with 1 or 2 ones
+    for got in (
+        t.log_prob(torch.tensor(value)).numpy(),
+        np.asarray(j.log_prob(jnp.asarray(value))),
+    ):
+        np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
 def test_gradients_against_finite_differences():
     logits, low, high = LOGITS[0], 2, 4
 

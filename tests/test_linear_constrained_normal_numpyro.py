@@ -358,6 +358,9 @@ def test_log_prob_off_the_subspace(validation_on):
     value = dist.sample(KEY) + 1e-3
     with pytest.warns(UserWarning, match="Out-of-support values provided to log prob method"):
         assert dist.log_prob(value) == -jnp.inf
+    # A NaN entry is named as such (its residual and bound are NaN: no tolerance to suggest).
+    with pytest.warns(UserWarning, match="1 value.s. have NaN or infinite entries"):
+        assert dist.log_prob(value.at[1].set(jnp.nan)) == -jnp.inf
     assert jax.jit(lambda d, z: d.log_prob(z))(dist, value) == -jnp.inf
     unchecked, *_ = build("diag", validate_args=False)
     assert unchecked.log_prob(value) == -jnp.inf
@@ -366,6 +369,8 @@ def test_log_prob_off_the_subspace(validation_on):
 
 BAD_INPUTS = [
     ({"A": [[1.0, 2.0, 3.0], [2.0, 4.0, 6.0]]}, "rank"),
+    # Every singular value 0: the ratio is 0, not a NaN from 0 / 0 (with a RuntimeWarning).
+    ({"A": [[0.0, 0.0, 0.0]]}, "rank-deficient.*is 0 times its largest"),
     ({"A": np.eye(3)}, "rows"),
     ({"A": np.ones((1, 4))}, "columns"),
     ({"A": np.ones(3)}, "A must have shape"),
@@ -389,6 +394,7 @@ BAD_INPUTS = [
 ]
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")
 @pytest.mark.parametrize(("overrides", "message"), BAD_INPUTS)
 def test_bad_input_raises_a_value_error_naming_the_problem(overrides, message):
     kwargs = {"loc": [0.0, 1.0, 2.0], "scale": [1.0, 1.0, 1.0], **overrides}

@@ -338,6 +338,10 @@ def test_log_prob_off_the_subspace():
     value = dist.sample() + 1e-3
     with pytest.raises(ValueError, match="support"):
         dist.log_prob(value)
+    # A NaN entry is named as such (its residual and bound are NaN: no tolerance to suggest).
+    value[1] = math.nan
+    with pytest.raises(ValueError, match="1 value.s. have NaN or infinite entries"):
+        dist.log_prob(value)
     unchecked, *_ = build("diag", validate_args=False)
     assert unchecked.log_prob(value).item() == -math.inf
     assert math.isfinite(unchecked.log_prob(unchecked.sample()).item())
@@ -345,6 +349,8 @@ def test_log_prob_off_the_subspace():
 
 BAD_INPUTS = [
     ({"A": [[1.0, 2.0, 3.0], [2.0, 4.0, 6.0]]}, "rank"),
+    # Every singular value 0: the ratio is 0, not a NaN from 0 / 0 (with a RuntimeWarning).
+    ({"A": [[0.0, 0.0, 0.0]]}, "rank-deficient.*is 0 times its largest"),
     ({"A": np.eye(3)}, "rows"),
     ({"A": np.ones((1, 4))}, "columns"),
     ({"A": np.ones(3)}, "A must have shape"),
@@ -368,6 +374,7 @@ BAD_INPUTS = [
 ]
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")
 @pytest.mark.parametrize(("overrides", "message"), BAD_INPUTS)
 def test_bad_input_raises_a_value_error_naming_the_problem(overrides, message):
     kwargs = {"loc": [0.0, 1.0, 2.0], "scale": [1.0, 1.0, 1.0]}

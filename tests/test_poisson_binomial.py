@@ -326,6 +326,37 @@ def test_validation():
         nc.PoissonBinomial(probs=jnp.asarray([0.5, 1.5]), validate_args=True)
 
 
+@pytest.mark.parametrize("method", ["cdf", "log_cdf", "log_survival_function"])
+def test_cumulative_functions_of_nan_are_nan(method):
+    """Torch with validation off and NumPyro return NaN for a NaN value (torch cast the
+    NaN to an index and crashed, NumPyro read count 0: P(K <= nan) was P(K <= 0)); torch
+    with validation on raises, as torch's own distributions do."""
+    logits = np.array([0.5, -1.0, 2.0])
+    values = np.array([1.0, np.nan])
+    for validate in (False, True):
+        d = pc.PoissonBinomial(logits=torch.tensor(logits), validate_args=validate)
+        if validate:
+            with pytest.raises(ValueError, match="NaN"):
+                getattr(d, method)(torch.tensor(values))
+            continue
+        got = getattr(d, method)(torch.tensor(values)).numpy()
+        assert np.isnan(got[1]) and np.isfinite(got[0])
+        expected = {
+            "cdf": scipy.stats.poisson_binom.cdf,
+            "log_cdf": scipy.stats.poisson_binom.logcdf,
+            "log_survival_function": scipy.stats.poisson_binom.logsf,
+        }[method]
+        reference = expected(1, 1 / (1 + np.exp(-logits)))
+        assert got[0] == pytest.approx(reference, rel=1e-12)
+    for x64 in (True, False):
+        with jax.enable_x64(x64):
+            j = nc.PoissonBinomial(logits=jnp.asarray(logits), validate_args=True)
+            got = np.asarray(jax.jit(getattr(j, method))(jnp.asarray(values)))
+            eager = np.asarray(getattr(j, method)(jnp.asarray(values)))
+        for result in (got, eager):
+            assert np.isnan(result[1]) and np.isfinite(result[0])
+
+
 def test_jit_and_vmap():
     logits = jnp.asarray(np.random.default_rng(1).normal(size=(4, 12)))
     direct = nc.PoissonBinomial(logits=logits).log_pmf()
