@@ -1,8 +1,10 @@
 """Batch-shape rules shared by the NumPyro classes: ``vmap_over`` for distributions whose
-leaves are all stored broadcast to the batch shape, and the check of ``expand``."""
+leaves are all stored broadcast to the batch shape, the batch shape of those leaves, and the
+check of ``expand``."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 from numpyro.distributions.batch_util import vmap_over
 from numpyro.distributions.distribution import Distribution
 
@@ -38,6 +40,15 @@ def vmap_over_broadcast_leaves(dist: Distribution, **axes: int | None) -> Distri
             )
         axes = dict.fromkeys(axes, next(iter(given.values())))
     return vmap_over.dispatch(Distribution)(dist, **axes)
+
+
+def stored_batch_shape(leaf, event_ndim: int) -> tuple[int, ...]:
+    """The batch shape of a leaf stored broadcast to the batch shape: the distribution's
+    ``batch_shape``, except inside a function vmapped over the distribution (``vmap_over``),
+    where the leaves have lost the mapped axes and ``batch_shape`` (static pytree data) has
+    not. The shapes of results are taken from it, so that each mapped element computes its
+    own."""
+    return tuple(jnp.shape(leaf)[: jnp.ndim(leaf) - event_ndim])
 
 
 def check_expand(batch_shape: tuple[int, ...], new_shape: tuple[int, ...]) -> None:

@@ -48,10 +48,12 @@ SCALAR_COORDINATE_CONSUMERS = {
 }
 
 
-def refuse_scalar_coordinate_consumers(name: str, depth: int = 8) -> None:
+def refuse_scalar_coordinate_consumers(name: str, depth: int = 8, gibbs: bool = True) -> None:
     """A ``ValueError`` when ``enumerate_support`` is called by one of NumPyro's machines
     that enumerate each scalar coordinate separately (`SCALAR_COORDINATE_CONSUMERS`),
-    saying what to do instead. ``depth``: how many frames above the caller are looked at."""
+    saying what to do instead. ``depth``: how many frames above the caller are looked at;
+    ``gibbs``: whether the Gibbs samplers are refused too (not where one-coordinate moves
+    can stay in the support, as between the counts of a range)."""
     frame = inspect.currentframe()
     # Skip this function's frame and its caller's (the enumerate_support method).
     frame = frame.f_back if frame is not None else None
@@ -60,10 +62,11 @@ def refuse_scalar_coordinate_consumers(name: str, depth: int = 8) -> None:
         if frame is None:
             return
         key = (frame.f_globals.get("__name__"), frame.f_code.co_name)
-        if key in SCALAR_COORDINATE_CONSUMERS:
+        reason = SCALAR_COORDINATE_CONSUMERS.get(key)
+        if reason is not None and (gibbs or reason != _GIBBS):
             raise ValueError(
                 f"{name} is an event-shaped discrete site (a k-hot vector or a "
-                f"composition): {SCALAR_COORDINATE_CONSUMERS[key]}. Enumerate it instead "
+                f"composition): {reason}. Enumerate it instead "
                 "through an index: `support = d.enumerate_support()`, "
                 "`i = numpyro.sample(name, dist.Categorical(logits=d.log_prob(support)))`, "
                 "`z = support[i]` (then TraceEnum_ELBO, infer_discrete, DiscreteHMCGibbs and "

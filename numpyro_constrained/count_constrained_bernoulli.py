@@ -21,12 +21,17 @@ from numpyro.util import not_jax_tracer
 from constrained_ppl.arguments import check_count, check_value_shape
 from constrained_ppl.enumeration import check_support_size, k_hot_table
 from numpyro_constrained import _count_edges as edges
-from numpyro_constrained._batching import vmap_over_broadcast_leaves
+from numpyro_constrained._batching import (
+    check_expand,
+    stored_batch_shape,
+    vmap_over_broadcast_leaves,
+)
 from numpyro_constrained._bernoulli_arguments import (
     LOGITS_PROBS_CONSTRAINTS,
     forced_counts,
     logits_and_probs,
 )
+from numpyro_constrained._compat import refuse_scalar_coordinate_consumers
 from numpyro_constrained._ekb_terms import _infinite_slope
 from numpyro_constrained._repr import parameters_repr
 from numpyro_constrained.exactly_k_bernoulli import ExactlyKBernoulli
@@ -191,7 +196,7 @@ class CountConstrainedBernoulli(Distribution):
         with jax.ensure_compile_time_eval():
             first, last = self._range()
         infeasible = first > last
-        r = jnp.arange(width).reshape((-1,) + (1,) * len(self.batch_shape))
+        r = jnp.arange(width).reshape((-1,) + (1,) * len(stored_batch_shape(self.logits, 1)))
         in_range = first + r <= last
         counts = jnp.maximum(jnp.minimum(first + r, last), 0)
         counts = jnp.where(infeasible, 0, counts)
@@ -290,7 +295,8 @@ class CountConstrainedBernoulli(Distribution):
             warn_if_out_of_support(lambda: self.support(value))
         stacked, _, in_range, infeasible = self._stack()
         log_w, _ = self._log_weights(stacked, in_range, self._edge_terms())
-        shape = jnp.broadcast_shapes(jnp.shape(value)[:-1], self.batch_shape)
+        batch_shape = stored_batch_shape(self.logits, 1)
+        shape = jnp.broadcast_shapes(jnp.shape(value)[:-1], batch_shape)
         value = jnp.broadcast_to(value, shape + self.event_shape)
         first, last = (jnp.broadcast_to(b, shape) for b in self._range())
         total = lax.stop_gradient(value).sum(-1)
@@ -304,10 +310,8 @@ class CountConstrainedBernoulli(Distribution):
         within = ExactlyKBernoulli(logits=logits, k=k, k_max=stacked.k_max, validate_args=False)
         safe = jnp.where(inside[..., None], value, within.mode)
         width = log_w.shape[0]
-        extra = (1,) * (len(shape) - len(self.batch_shape))
-        log_w = jnp.broadcast_to(
-            log_w.reshape((width,) + extra + self.batch_shape), (width,) + shape
-        )
+        extra = (1,) * (len(shape) - len(batch_shape))
+        log_w = jnp.broadcast_to(log_w.reshape((width,) + extra + batch_shape), (width,) + shape)
         row = jnp.clip(k - first, 0, width - 1)
         log_weight = jnp.take_along_axis(log_w, row[None], axis=0)[0]
         return jnp.where(inside, within.log_prob(safe) + log_weight, -jnp.inf)
@@ -325,7 +329,9 @@ class CountConstrainedBernoulli(Distribution):
         log_w, _ = self._log_weights(stacked, in_range)
         key_count, key_vector = jax.random.split(key)
         log_w = lax.stop_gradient(jnp.moveaxis(log_w, 0, -1))
-        rows = jax.random.categorical(key_count, log_w, shape=sample_shape + self.batch_shape)
+        rows = jax.random.categorical(
+            key_count, log_w, shape=sample_shape + stored_batch_shape(self.logits, 1)
+        )
         k = jnp.take_along_axis(
             jnp.broadcast_to(jnp.moveaxis(counts, 0, -1), rows.shape + (counts.shape[0],)),
             rows[..., None],
@@ -362,6 +368,9 @@ class CountConstrainedBernoulli(Distribution):
         if not is_concrete(self.logits, self.low, self.high):
             raise ValueError(f"{name}.enumerate_support needs concrete logits and bounds")
         first, last = (np.unique(np.asarray(b)) for b in self._range())
+        # Funsor's enumeration cannot represent a vector site. The Gibbs samplers' flips of
+        # one coordinate can move between the counts of a range, but never within one count.
+        refuse_scalar_coordinate_consumers(name, gibbs=bool(np.any(first[:, None] == last)))
         logits = np.asarray(self.logits).reshape(-1, n)
         on, off = logits == np.inf, logits == -np.inf
         same = (on == on[:1]).all() and (off == off[:1]).all()
@@ -386,9 +395,12 @@ class CountConstrainedBernoulli(Distribution):
         return values
 
     def expand(self, batch_shape) -> "CountConstrainedBernoulli":
+        """A view with batch shape ``batch_shape`` (parameters broadcast); NumPyro's
+        ``ValueError`` where the current batch shape does not broadcast to it."""
         batch_shape = tuple(batch_shape)
         if batch_shape == self.batch_shape:
             return self
+        check_expand(self.batch_shape, batch_shape)
         new = type(self).__new__(type(self))
         new.logits = jnp.broadcast_to(self.logits, batch_shape + self.event_shape)
         new.probs = jnp.broadcast_to(self.probs, batch_shape + self.event_shape)
@@ -433,6 +445,9 @@ def _kl_count_constrained(p: CountConstrainedBernoulli, q: CountConstrainedBerno
         and np.array_equal(*np.broadcast_arrays(p.high, q.high))
     ):
         raise ValueError("KL between CountConstrainedBernoulli needs the same bounds")
+    # Broadcast batch shapes, as the other classes' KL: the stacked rows below need one.
+    batch_shape = jnp.broadcast_shapes(p.batch_shape, q.batch_shape)
+    p, q = p.expand(batch_shape), q.expand(batch_shape)
     p_stack, _, in_range, p_bad = p._stack()
     q_stack, _, q_in_range, q_bad = q._stack()
     if p_stack.batch_shape != q_stack.batch_shape or (

@@ -107,7 +107,8 @@ def _draw_loop(root_counts: jax.Array, loop: _Loop, uniform: jax.Array, race: bo
     steps, _, half, _ = loop.left.shape
     start = jnp.zeros(root_counts.shape[:-1] + (2 * half,), root_counts.dtype)
     start = start.at[..., :1].set(root_counts)
-    uniform = jnp.moveaxis(uniform.reshape(uniform.shape[:-1] + (steps, -1)), -2, 0)
+    uniform = uniform.reshape(uniform.shape[:-1] + (steps, uniform.shape[-1] // steps))
+    uniform = jnp.moveaxis(uniform, -2, 0)
 
     def step(counts, level):
         return _split(counts[..., :half], *level, race), None
@@ -154,10 +155,10 @@ def _split(counts, left, right, bounds, uniform, race: bool) -> jax.Array:
         # otherwise, with a probability of the order of the noise, lead to a parent count
         # whose splits all have weight zero).
         bounds = bounds.astype(counts.dtype)
-        low = bounds[..., 0].reshape(bounds.shape[0], -1, 2)
-        high = bounds[..., 1].reshape(bounds.shape[0], -1, 2)
+        pairs = (bounds.shape[0], bounds.shape[1] // 2, 2)
+        low, high = bounds[..., 0].reshape(pairs), bounds[..., 1].reshape(pairs)
         first = jnp.maximum(low[..., 0], counts - high[..., 1])
         last = jnp.minimum(high[..., 0], counts - low[..., 1])
         ones_left = jnp.clip(ones_left, first, last)
     counts = jnp.stack([ones_left, counts - ones_left], axis=-1)
-    return counts.reshape(counts.shape[:-2] + (-1,))
+    return counts.reshape(counts.shape[:-2] + (2 * counts.shape[-2],))

@@ -121,7 +121,7 @@ def _forward(logits, k, k_max: int):
         out_width = min(2 * (width - 1), k_max) + 1
         if nodes % 2 == 1:
             tables, _ = _with_empty_nodes(tables, None, 1)
-        pairs = tables.reshape(batch, -1, 2, width)
+        pairs = tables.reshape(batch, tables.shape[1] // 2, 2, width)
         tables, scale, kept = _level_products(pairs, out_width)
         up.append((nodes % 2 == 1, scale, kept, _up_factors(*_unstack(pairs), out_width)))
         children.append(pairs)
@@ -177,7 +177,7 @@ def _tangent(d_logits, saved):
         batch, nodes, width = d_tables.shape
         if padded:
             d_tables = jnp.concatenate([d_tables, jnp.zeros((batch, 1, width), d_tables.dtype)], 1)
-        d_pairs = d_tables.reshape(batch, -1, 2, width)
+        d_pairs = d_tables.reshape(batch, d_tables.shape[1] // 2, 2, width)
         d_children.append(d_pairs)
         d_raw = _product_tangent(d_pairs, factors, kept.shape[-1])
         d_tables = jnp.where(kept, scale * d_raw, 0.0)

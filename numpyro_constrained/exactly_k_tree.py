@@ -196,7 +196,7 @@ def _upward(tables: jax.Array, k_max: int, fft: jax.Array | bool | None):
         if padded:
             tables, bounds = _with_empty_nodes(tables, bounds, 1)
             subtree = _pad_last(subtree, 0, 1)
-        pairs = tables.reshape(batch, -1, 2, width)
+        pairs = tables.reshape(batch, tables.shape[1] // 2, 2, width)
         children = bounds
         if bounds is not None:
             bounds = _parent_bounds(bounds)

@@ -31,7 +31,11 @@ from numpyro.distributions.kl import kl_divergence
 from constrained_ppl.arguments import check_value_shape
 from numpyro_constrained import _count_edges as edges
 from numpyro_constrained import exactly_k_kernels as kernels
-from numpyro_constrained._batching import vmap_over_broadcast_leaves
+from numpyro_constrained._batching import (
+    check_expand,
+    stored_batch_shape,
+    vmap_over_broadcast_leaves,
+)
 from numpyro_constrained._bernoulli_arguments import (
     LOGITS_PROBS_CONSTRAINTS,
     forced_counts,
@@ -243,7 +247,7 @@ class PoissonBinomial(Distribution):
         if self._validate_args:
             warn_if_out_of_support(lambda: self.support(value))
         n = self.total_count
-        shape = jnp.broadcast_shapes(jnp.shape(value), self.batch_shape)
+        shape = jnp.broadcast_shapes(jnp.shape(value), stored_batch_shape(self.logits, 1))
         value = jnp.broadcast_to(value, shape)
         whole = (value == jnp.floor(value)) & (value >= 0) & (value <= n)
         theta, forced_on = self._kernel_logits()
@@ -263,7 +267,8 @@ class PoissonBinomial(Distribution):
         differentiable in the logits when they are traced (then one kernel pass per count)."""
         n = self.total_count
         theta, forced_on = self._kernel_logits()
-        rows = math.prod(self.batch_shape)
+        batch_shape = stored_batch_shape(self.logits, 1)
+        rows = math.prod(batch_shape)
         theta = theta.reshape(rows, n)
         if is_concrete(theta):
             log_p = _log_pmf_by_windows(theta).astype(self.logits.dtype)
@@ -276,7 +281,7 @@ class PoissonBinomial(Distribution):
         j = jnp.arange(n + 1)[None, :] - forced_on.reshape(-1, 1)
         shifted = jnp.take_along_axis(log_p, jnp.maximum(j, 0), -1)
         shifted = jnp.where(j >= 0, shifted, -jnp.inf)
-        shifted = shifted.reshape(self.batch_shape + (n + 1,))
+        shifted = shifted.reshape(batch_shape + (n + 1,))
         if self._from_probs and not is_concrete(theta):
             counts = jnp.arange(n + 1)
             terms = edges.count_log_terms(
@@ -302,7 +307,7 @@ class PoissonBinomial(Distribution):
     def _at(self, table, value, name: str, below: float = -jnp.inf) -> jax.Array:
         value = jnp.asarray(value)
         check_value_shape(jnp.shape(value), self.batch_shape, (), f"PoissonBinomial.{name}")
-        shape = jnp.broadcast_shapes(jnp.shape(value), self.batch_shape)
+        shape = jnp.broadcast_shapes(jnp.shape(value), stored_batch_shape(self.logits, 1))
         n = self.total_count
         # A NaN value reads NaN (as NumPyro's cdf methods give), not an index cast from NaN.
         nan = jnp.isnan(value)
@@ -367,9 +372,12 @@ class PoissonBinomial(Distribution):
         return values
 
     def expand(self, batch_shape) -> "PoissonBinomial":
+        """A view with batch shape ``batch_shape`` (parameters broadcast); NumPyro's
+        ``ValueError`` where the current batch shape does not broadcast to it."""
         batch_shape = tuple(batch_shape)
         if batch_shape == self.batch_shape:
             return self
+        check_expand(self.batch_shape, batch_shape)
         new = type(self).__new__(type(self))
         n = self.total_count
         new.logits = jnp.broadcast_to(self.logits, batch_shape + (n,))

@@ -449,6 +449,9 @@ def _kl_count_constrained(p: CountConstrainedBernoulli, q: CountConstrainedBerno
     KL(p(z | k) || q(z | k))``, the second from the exact ``ExactlyKBernoulli`` rule."""
     if p.event_shape != q.event_shape:
         raise ValueError(f"KL needs the same n, got {p.event_shape[0]} and {q.event_shape[0]}")
+    # Broadcast batch shapes, as the other classes' KL: the stacked rows below need one.
+    batch_shape = torch.broadcast_shapes(p.batch_shape, q.batch_shape)
+    p, q = p.expand(batch_shape), q.expand(batch_shape)
     same = torch.equal(*torch.broadcast_tensors(p.low, q.low)) and torch.equal(
         *torch.broadcast_tensors(p.high, q.high)
     )

@@ -131,6 +131,27 @@ def test_kl_needs_the_same_feasible_range_in_every_batch_element():
         )
 
 
+def test_kl_broadcasts_batch_shapes():
+    """p with batch (2,), q with batch (): each element's KL against the brute-force one,
+    in both packages (NumPyro compared the stacked batch shapes for equality and refused)."""
+    logits, other = LOGITS[[0, 2]], LOGITS[0] * -0.7 + 0.3  # finite: one feasible range
+    expected = []
+    for row in logits:
+        vectors, log_p = _brute(row, 1, 3)
+        _, log_q = _brute(other, 1, 3)
+        expected.append(float((np.exp(log_p) * (log_p - log_q)).sum()))
+    t = torch.distributions.kl_divergence(
+        pc.CountConstrainedBernoulli(logits=torch.tensor(logits), low=1, high=3),
+        pc.CountConstrainedBernoulli(logits=torch.tensor(other), low=1, high=3),
+    )
+    j = jax_kl(
+        nc.CountConstrainedBernoulli(logits=jnp.asarray(logits), low=1, high=3),
+        nc.CountConstrainedBernoulli(logits=jnp.asarray(other), low=1, high=3),
+    )
+    np.testing.assert_allclose(t.numpy(), expected, rtol=1e-12)
+    np.testing.assert_allclose(np.asarray(j), expected, rtol=1e-12)
+
+
 def test_empty_sample_shapes_and_boolean_values():
     """A sample shape with a 0 gives an empty draw (torch.multinomial refused to draw
     none); a boolean value is a 0/1 vector (the torch support check cast high = 2 to True)."""

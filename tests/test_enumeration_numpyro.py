@@ -17,7 +17,7 @@ import pytest
 from numpyro.infer import HMC, MCMC, NUTS, DiscreteHMCGibbs, MixedHMC
 from scipy import stats
 
-from numpyro_constrained import ConditionedPoisson, ExactlyKBernoulli
+from numpyro_constrained import ConditionedPoisson, CountConstrainedBernoulli, ExactlyKBernoulli
 
 pytest.importorskip("funsor")
 from numpyro.contrib.funsor import config_enumerate, enum, infer_discrete, log_density  # noqa: E402
@@ -329,3 +329,40 @@ def test_without_the_guard_discrete_hmc_gibbs_never_moves(monkeypatch):
     assert (z == z[0]).all()
     # The exact posterior is far from a point mass at that value.
     assert exact("sensors")[2].max() < 0.9
+
+
+def _ccb_model(low, high):
+    def model():
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        z = numpyro.sample("z", CountConstrainedBernoulli(SENSOR_LOGITS, low=low, high=high))
+        numpyro.sample("y", dist.Normal(mu + 2.0 * z, 1.0).to_event(1), obs=SENSOR_Y)
+
+    return model
+
+
+@pytest.mark.filterwarnings("ignore:Some algorithms will automatically enumerate")
+def test_count_constrained_bernoulli_refuses_funsor_and_gibbs_within_one_count():
+    """CountConstrainedBernoulli gets the same guard: funsor's enumeration (which failed
+    with "a value of shape (15,) does not end in the event shape") always, the Gibbs
+    samplers where a range is one count (no one-coordinate move stays in it); across a
+    wider range a one-coordinate move changes the count within it, and they run."""
+    with pytest.raises(ValueError, match="Categorical"):
+        TraceEnum_ELBO().loss(
+            jax.random.PRNGKey(0), {}, config_enumerate(_ccb_model(1, 3)), lambda: None
+        )
+    for kernel in ["DiscreteHMCGibbs", "NUTS"]:
+        mcmc = MCMC(
+            KERNELS[kernel](_ccb_model(2, 2)), num_warmup=5, num_samples=5, progress_bar=False
+        )
+        with pytest.raises(ValueError, match="enumerate_support"):
+            mcmc.run(jax.random.PRNGKey(0))
+    mcmc = MCMC(
+        KERNELS["DiscreteHMCGibbs"](_ccb_model(1, 3)),
+        num_warmup=20,
+        num_samples=50,
+        progress_bar=False,
+    )
+    mcmc.run(jax.random.PRNGKey(0))
+    draws = np.asarray(mcmc.get_samples()["z"])
+    assert ((draws.sum(-1) >= 1) & (draws.sum(-1) <= 3)).all()
+    assert len({tuple(row) for row in draws}) > 1  # the chain moves

@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 from numpyro.distributions.batch_util import vmap_over
 
-from numpyro_constrained import ConditionedPoisson, ExactlyKBernoulli, LinearConstrainedNormal
+from numpyro_constrained import (
+    ConditionedPoisson,
+    CountConstrainedBernoulli,
+    ExactlyKBernoulli,
+    LinearConstrainedNormal,
+    PoissonBinomial,
+)
 
 LOGITS = jnp.array([[0.1, 0.5, -1.0, 2.0], [1.0, 0.0, 0.3, -0.2], [0.0, 0.0, 0.0, 1.0]])
 SCALE = jnp.array([[1.0, 2.0, 3.0], [2.0, 1.0, 1.0], [0.5, 1.0, 2.0]])
@@ -35,6 +41,18 @@ CASES = {
         lambda: ConditionedPoisson(jnp.exp(LOGITS), k=3),
         {"rate": 0},
         lambda i: ConditionedPoisson(jnp.exp(LOGITS[i]), k=3),
+    ),
+    # These two shaped their results by batch_shape, which vmap leaves as it was: each row
+    # was one element's value repeated (PoissonBinomial), or a reshape failed (CCB).
+    "pb-logits": (
+        lambda: PoissonBinomial(LOGITS),
+        {"logits": 0},
+        lambda i: PoissonBinomial(LOGITS[i]),
+    ),
+    "ccb-logits": (
+        lambda: CountConstrainedBernoulli(LOGITS, low=1, high=3),
+        {"logits": 0},
+        lambda i: CountConstrainedBernoulli(LOGITS[i], low=1, high=3),
     ),
 }
 
@@ -64,8 +82,10 @@ def test_mapping_two_parameters_over_different_batch_axes_is_an_error():
         lambda: ExactlyKBernoulli(jnp.zeros((2, 4)), k=1),
         lambda: ConditionedPoisson(jnp.ones((2, 4)), k=3),
         lambda: LinearConstrainedNormal(jnp.zeros((2, 3)), jnp.ones(3)),
+        lambda: PoissonBinomial(jnp.zeros((2, 4))),
+        lambda: CountConstrainedBernoulli(jnp.zeros((2, 4)), low=1, high=2),
     ],
-    ids=["ekb", "cp", "lcn"],
+    ids=["ekb", "cp", "lcn", "pb", "ccb"],
 )
 @pytest.mark.parametrize("shape", [(3,), (1,), ()])
 def test_an_impossible_expand_raises_numpyros_message(make, shape):
