@@ -22,7 +22,7 @@ from torch.distributions.utils import lazy_property
 
 from constrained_ppl.arguments import LCN_GRAD_ESTIMATORS, check_value_shape, keyword_only
 from constrained_ppl.conditioning import warn_if_unresolvable
-from pyro_constrained._autograd import is_differentiated
+from pyro_constrained._autograd import float64_values, is_differentiated
 from pyro_constrained._lcn_arguments import ARG_CONSTRAINTS, parse_arguments
 from pyro_constrained._lcn_math import (
     _ProjectedLogDensity,
@@ -259,7 +259,7 @@ class LinearConstrainedNormal(TorchDistribution):
             # Once per distribution (the factorisation may run twice: recorded and detached).
             self.__dict__["_precision_checked"] = True
             warn_if_unresolvable(
-                r_factor.detach().to(torch.float64).cpu().numpy(),
+                float64_values(r_factor),
                 torch.finfo(r_factor.dtype).eps,
                 str(r_factor.dtype).removeprefix("torch."),
                 (__file__, torch.__file__, pyro.__file__),

@@ -17,6 +17,7 @@ import torch
 from constrained_ppl.conditioning import DEFAULT_RTOL_ULPS, check_full_row_rank
 from constrained_ppl.conditioning import check_rtol as _check_rtol
 from constrained_ppl.conditioning import default_rtol as _default_rtol
+from pyro_constrained._autograd import float64_values
 from pyro_constrained.exactly_k_tracing import static_under_trace
 
 __all__ = ["DEFAULT_RTOL_ULPS", "LinearConstraint"]
@@ -292,9 +293,7 @@ class LinearConstraint:
         if validate:
             # R1 has the singular values of A (a x a: no n-sized SVD); they are judged with
             # A's rows scaled to unit length (see constrained_ppl.conditioning).
-            check_full_row_rank(
-                r.detach().to(torch.float64).cpu().numpy(), n, torch.finfo(A.dtype).eps
-            )
+            check_full_row_rank(float64_values(r), n, torch.finfo(A.dtype).eps)
 
     def _replace(self, *, rtol: float | None = None, dtype=None, device=None) -> LinearConstraint:
         """A copy sharing the factorisation, with another ``rtol`` or converted (O(n a))."""

@@ -19,7 +19,7 @@ from pyro.infer import (
 )
 from torch.distributions import biject_to, constraints, kl_divergence, transform_to
 
-from pyro_constrained import LinearConstrainedNormal
+from pyro_constrained import LinearConstrainedNormal, LinearConstraint
 from pyro_constrained.losses import expected_l1_loss, expected_l2_loss
 from tests.oracles import linear_gaussian as oracle
 
@@ -732,3 +732,27 @@ def test_diagonal_log_prob_jacobians_and_hessians_under_torch_func_are_the_recor
     for i in range(2):
         for j in range(2):
             torch.testing.assert_close(got[i][j], want[i][j], rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("prebuilt", [False, True], ids=["arguments", "LinearConstraint"])
+def test_torch_func_with_validation_on(prebuilt):
+    """The default (validation on) under torch.func.grad and hessian: the checks of A's rank
+    and of the factor's precision read values in NumPy, which ``.numpy()`` refused inside a
+    transform (every tensor there is a wrapper without storage)."""
+    loc, scale, A, k, value = _diag_inputs((), (3,))
+    constraint = LinearConstraint(A) if prebuilt else None
+
+    def log_prob(loc, scale):
+        if prebuilt:
+            return constraint.normal(loc, scale, k=k, validate_args=True).log_prob(value).sum()
+        return (
+            LinearConstrainedNormal(loc, scale, A=A, k=k, validate_args=True).log_prob(value).sum()
+        )
+
+    args = (loc.detach(), scale.detach())
+    expected = torch.autograd.grad(log_prob(loc, scale), (loc, scale))
+    for got, want in zip(torch.func.grad(log_prob, argnums=(0, 1))(*args), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    want = torch.autograd.functional.hessian(lambda l: log_prob(l, scale.detach()), args[0])
+    got = torch.func.hessian(lambda l: log_prob(l, args[1]))(args[0])
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
