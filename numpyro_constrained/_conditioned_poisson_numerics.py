@@ -4,6 +4,8 @@ log space, Loader's saddle-point forms of Poisson log-probabilities
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -117,7 +119,6 @@ def _bd0(x, m, log_m):
     """``x log(x / m) + m - x >= 0`` for ``x >= 1`` and ``m > 0`` (``log_m = log m``, used where
     ``m`` underflows), without cancellation: the series in ``v = (x - m) / (x + m)`` where
     ``|v|`` is small, else directly (``inf`` where ``m`` is)."""
-    tiny = float(jnp.finfo(x.dtype).tiny) * UNDERFLOW_MARGIN
     finite = jnp.isfinite(m)
     m_safe = jnp.where(finite, m, x)
     difference = x - m_safe
@@ -127,8 +128,13 @@ def _bd0(x, m, log_m):
     for j in range(BD0_SERIES_TERMS - 1, 0, -1):
         odd = 1.0 / (2 * j + 1) + v2 * odd
     series = difference * v + 2.0 * x * v * v2 * odd
-    normal = m_safe > tiny
-    log_ratio = jnp.where(normal, jnp.log(x / jnp.where(normal, m_safe, 1.0)), jnp.log(x) - log_m)
+    # log(x / m), exact near x = m, where m >= 1; below, log x - log m, two terms of one sign
+    # (no cancellation), whose derivative 1 / m stays finite where the ratio's x / m^2
+    # overflows (rates that underflow beside others).
+    ratio_form = m_safe >= 1.0
+    log_ratio = jnp.where(
+        ratio_form, jnp.log(x / jnp.where(ratio_form, m_safe, 1.0)), jnp.log(x) - log_m
+    )
     direct = x * log_ratio + m_safe - x
     value = jnp.where(jnp.abs(v) < BD0_SERIES_MAX_V, series, direct)
     return jnp.where(finite, value, jnp.inf)
@@ -235,7 +241,8 @@ def _relative_entropy(rate_p, rate_q):
     total_b = jnp.sum(b, -1, keepdims=True)
     difference = a - b
     numerator = difference * total_b - b * jnp.sum(difference, -1, keepdims=True)
-    resolvable = jnp.finfo(accumulation).tiny * UNDERFLOW_MARGIN
+    # Above sqrt(tiny): the derivative of the ratio below divides by the square of b.
+    resolvable = math.sqrt(jnp.finfo(accumulation).tiny) * UNDERFLOW_MARGIN
     # Only where the two are close: far apart, D_i B - b_i D cancels (rates 1 beside 1e10),
     # and the difference of the logarithms, at least 1/2, is accurate.
     log_difference = log_p - log_q

@@ -116,7 +116,6 @@ def _bd0(x: torch.Tensor, m: torch.Tensor, log_m: torch.Tensor) -> torch.Tensor:
     """``x log(x / m) + m - x >= 0`` for ``x >= 1`` and ``m > 0`` (``log_m = log m``, used where
     ``m`` underflows), without cancellation: the series in ``v = (x - m) / (x + m)`` where
     ``|v|`` is small, else directly (``inf`` where ``m`` is)."""
-    tiny = torch.finfo(x.dtype).tiny * UNDERFLOW_MARGIN
     finite = torch.isfinite(m)
     m_safe = torch.where(finite, m, x)
     difference = x - m_safe
@@ -126,9 +125,12 @@ def _bd0(x: torch.Tensor, m: torch.Tensor, log_m: torch.Tensor) -> torch.Tensor:
     for j in range(BD0_SERIES_TERMS - 1, 0, -1):
         odd = 1.0 / (2 * j + 1) + v2 * odd
     series = difference * v + 2.0 * x * v * v2 * odd
-    normal = m_safe > tiny
+    # log(x / m), exact near x = m, where m >= 1; below, log x - log m, two terms of one sign
+    # (no cancellation), whose derivative 1 / m stays finite where the ratio's x / m^2
+    # overflows (rates that underflow beside others).
+    ratio_form = m_safe >= 1.0
     log_ratio = torch.where(
-        normal, torch.log(x / torch.where(normal, m_safe, 1.0)), torch.log(x) - log_m
+        ratio_form, torch.log(x / torch.where(ratio_form, m_safe, 1.0)), torch.log(x) - log_m
     )
     direct = x * log_ratio + m_safe - x
     value = torch.where(v.abs() < BD0_SERIES_MAX_V, series, direct)
@@ -183,7 +185,8 @@ def _relative_entropy(rate_p: torch.Tensor, rate_q: torch.Tensor) -> torch.Tenso
     total_b = b.sum(-1, keepdim=True)
     difference = a - b
     numerator = difference * total_b - b * difference.sum(-1, keepdim=True)
-    resolvable = torch.finfo(torch.float64).tiny * UNDERFLOW_MARGIN
+    # Above sqrt(tiny): the derivative of the ratio below divides by the square of b.
+    resolvable = math.sqrt(torch.finfo(torch.float64).tiny) * UNDERFLOW_MARGIN
     # Only where the two are close: far apart, D_i B - b_i D cancels (rates 1 beside 1e10),
     # and the difference of the logarithms, at least 1/2, is accurate.
     log_difference = log_p - log_q

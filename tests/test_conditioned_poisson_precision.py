@@ -303,3 +303,49 @@ def test_x64_off_categorical_samples_pass_chi_square_against_enumeration(rate):
         samples = np.asarray(d.sample(jax.random.PRNGKey(7), (20_000,)))
     assert (samples.sum(-1) == k).all()
     assert oracle.composition_chi_square_pvalue(samples, rate32.astype(np.float64), k) > 1e-3
+
+
+def _torch_tiny_rate_gradients(rate, other, target):
+    """Pyro's float64 gradients in the rates of the expected L1 loss and of KL(p || q)."""
+    r = torch.tensor(rate, requires_grad=True)
+    q = pyro_constrained.ConditionedPoisson(torch.tensor(other), k=5)
+    l1 = torch.autograd.grad(
+        torch_l1(pyro_constrained.ConditionedPoisson(r, k=5), torch.tensor(target)), r
+    )[0]
+    kl = torch.autograd.grad(torch_kl(pyro_constrained.ConditionedPoisson(r, k=5), q), r)[0]
+    return l1.numpy(), kl.numpy()
+
+
+def _jax_tiny_rate_gradients(rate, other, target, dtype):
+    """NumPyro's gradients of the same, in ``dtype``."""
+    q = numpyro_constrained.ConditionedPoisson(jnp.asarray(other, dtype), k=5)
+    y = jnp.asarray(target, dtype)
+
+    def l1(r):
+        return jax_l1(numpyro_constrained.ConditionedPoisson(r, k=5), y)
+
+    def kl(r):
+        return jax_kl(numpyro_constrained.ConditionedPoisson(r, k=5), q)
+
+    r = jnp.asarray(rate, dtype)
+    return np.asarray(jax.grad(l1)(r), np.float64), np.asarray(jax.grad(kl)(r), np.float64)
+
+
+@pytest.mark.parametrize("x64", [False, True], ids=["x64-off", "x64-on"])
+def test_gradients_at_a_rate_that_underflows_beside_others_are_finite(x64):
+    """A rate whose probability's square underflows (1e-20 .. 1e-28 in float32, 1e-160 ..
+    1e-290 in float64) beside O(1) rates: NumPyro's gradients of the expected L1 loss were
+    NaN and those of the KL -inf (a ratio's derivative divided by an underflowed square).
+    Against Pyro in float64 at the same rates, whose gradients are finite there."""
+    tinies = [1e-160, 1e-200, 1e-290] if x64 else [1e-20, 1e-25, 1e-28]
+    target = np.array([0.7, 2.0, 3.3])
+    tolerance = 1e-12 if x64 else 2e-5
+    for tiny in tinies:
+        rate, other = np.array([tiny, 1.0, 3.0]), np.array([tiny, 1.3, 4.8])
+        with jax.enable_x64(x64):
+            dtype = jnp.float64 if x64 else jnp.float32
+            got = _jax_tiny_rate_gradients(rate, other, target, dtype)
+        expected = _torch_tiny_rate_gradients(rate, other, target)
+        for name, g, want in zip(("l1", "kl"), got, expected, strict=True):
+            assert np.all(np.isfinite(g)), (name, tiny, g)
+            np.testing.assert_allclose(g, want, atol=tolerance * np.abs(want).max(), err_msg=name)
