@@ -82,6 +82,7 @@ from constrained_ppl.conformal import check_calibration, chi2_quantile, conforma
 from numpyro_constrained.linear_constrained_normal import LinearConstrainedNormal
 from numpyro_constrained.linear_constraint import LinearConstraint
 from numpyro_constrained.losses import expected_l1_loss, expected_l2_loss
+from numpyro_constrained.validation import is_concrete
 
 LOSSES = ("mse+nll", "loc_mse+nll", "nll", "mse", "expected_l2", "expected_l1")
 SCALES = ("per_example", "per_output")
@@ -361,6 +362,9 @@ def calibrate_head(
     else:
         squared = jnp.mean(mahalanobis) / free
     factor = jnp.sqrt(squared)
+    # As the torch head's calibrate, where the factor is concrete (under jit it is a tracer).
+    if is_concrete(factor) and not (np.isfinite(factor) and factor > 0):
+        raise ValueError(f"calibrate_head: the held-out data give a scale factor of {factor}")
     return dict(state, scale_factor=factor.astype(state["scale_factor"].dtype))
 
 

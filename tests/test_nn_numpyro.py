@@ -384,3 +384,8 @@ def test_calibrate_rejects_bad_options_and_too_few_examples():
         calibrate_head(*args, method="ml")
     with pytest.raises(ValueError, match="coverage must lie in"):
         calibrate_head(*args, coverage=1.0)
+    # A factor that is not positive and finite (here NaN targets) is an error, as in torch;
+    # it was returned, and every later interval was NaN.
+    bad = (params, state, p["features"], p["k"], jnp.full_like(p["target"], jnp.nan))
+    with pytest.raises(ValueError, match="scale factor of nan"):
+        calibrate_head(*bad, method="likelihood")

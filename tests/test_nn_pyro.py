@@ -530,3 +530,7 @@ def test_calibrate_rejects_bad_options_and_too_few_examples():
         head.calibrate(*args, method="ml")
     with pytest.raises(ValueError, match="coverage must lie in"):
         head.calibrate(*args, coverage=1.0)
+    with pytest.raises(ValueError, match="scale factor of nan"):
+        head.calibrate(
+            p["features"], p["k"], torch.full_like(p["target"], float("nan")), method="likelihood"
+        )
