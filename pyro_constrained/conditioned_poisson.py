@@ -55,6 +55,7 @@ from pyro_constrained._conditioned_poisson_support import (
 from pyro_constrained._conditioned_poisson_tracing import static_under_trace
 from pyro_constrained._repr import parameters_repr
 from pyro_constrained._score_parts import score_parts as _score_parts
+from pyro_constrained._score_parts import straight_through_draw
 
 __all__ = ["ConditionedPoisson", "integer_composition", "positive_finite"]
 # The imports marked noqa are re-exports: names of the _conditioned_poisson_* modules that
@@ -410,7 +411,7 @@ class ConditionedPoisson(TorchDistribution):
             )
         z = self.sample(sample_shape)
         m = self.mean.expand(z.shape)
-        return z + (m - m.detach())
+        return straight_through_draw(z + (m - m.detach()))
 
     def entropy(self) -> torch.Tensor:
         """Exact entropy ``-log k! - k sum_i p_i log p_i + sum_i E[log z_i!]``,

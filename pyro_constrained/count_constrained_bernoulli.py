@@ -28,6 +28,7 @@ from pyro_constrained._bernoulli_arguments import (
 from pyro_constrained._ekb_terms import _infinite_slope
 from pyro_constrained._repr import parameters_repr
 from pyro_constrained._score_parts import score_parts as _score_parts
+from pyro_constrained._score_parts import straight_through_draw
 from pyro_constrained.exactly_k_bernoulli import ExactlyKBernoulli
 from pyro_constrained.exactly_k_tracing import static_under_trace
 
@@ -363,7 +364,7 @@ class CountConstrainedBernoulli(TorchDistribution):
         with torch.no_grad():
             z = self._draw(torch.Size(sample_shape))
         mu = self._marginal_probs
-        return z + (mu - mu.detach())
+        return straight_through_draw(z + (mu - mu.detach()))
 
     def entropy(self) -> torch.Tensor:
         """``H(K) + sum_k P(k | range) H(z | K = k)`` (z determines its count): the entropy

@@ -47,6 +47,7 @@ from pyro_constrained._ekb_terms import (
 from pyro_constrained._ekb_terms import _kl_exactly_k_bernoulli as _kl
 from pyro_constrained._repr import parameters_repr
 from pyro_constrained._score_parts import score_parts as _score_parts
+from pyro_constrained._score_parts import straight_through_draw
 from pyro_constrained.exactly_k_tracing import _static_control_flow, static_under_trace
 
 __all__ = ["ExactlyKBernoulli", "KHot"]
@@ -504,7 +505,7 @@ class ExactlyKBernoulli(TorchDistribution):
         z = torch.where(self._forced_on, torch.ones_like(z), z.detach())
         z = torch.where(self._infeasible[..., None], torch.nan, z)
         mu = self._with_edge_derivatives(self._complete(free, 1.0, 0.0, 0.0))
-        return z + (mu - mu.detach())
+        return straight_through_draw(z + (mu - mu.detach()))
 
     def _check_can_sample(self) -> None:
         # Under torch.jit.trace this check would be frozen at its first outcome (a Python

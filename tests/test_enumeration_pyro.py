@@ -389,7 +389,53 @@ def test_a_straight_through_draw_keeps_its_pathwise_score_parts(name):
     parts = distribution.score_parts(value)
     assert isinstance(parts.score_function, (int, float)) and parts.score_function == 0
     torch.testing.assert_close(parts.entropy_term, distribution.log_prob(value))
-    # A value without the straight-through gradient is scored.
+    # Any other value is scored, whatever its gradient: here the same numbers, detached.
     parts = distribution.score_parts(value.detach())
     torch.testing.assert_close(parts.score_function, distribution.log_prob(value.detach()))
     assert parts.entropy_term == 0
+    # A draw without gradient (under no_grad, or of constant parameters) is still a draw:
+    # TraceMeanField_ELBO refuses sites whose parts are scored.
+    with torch.no_grad():
+        value = distribution.rsample()
+        assert distribution.score_parts(value).score_function == 0
+    constant = make(params.detach())
+    assert constant.score_parts(constant.rsample()).score_function == 0
+
+
+@pytest.mark.parametrize("name", list(GUIDES))
+def test_trace_mean_field_elbo_evaluates_a_straight_through_guide(name):
+    """SVI.evaluate_loss (under torch.no_grad) and a guide of constant parameters with
+    TraceMeanField_ELBO, which needs every guide site's parts pathwise: both raised "All
+    distributions in the guide must be fully reparameterized" while the parts were chosen
+    by whether the value had a gradient. The loss is the analytic-KL ELBO: checked against
+    the KL and the expected log likelihood by enumeration."""
+    make, support = GUIDES[name]
+    y = torch.tensor([1.0, -0.5, 0.3, 0.8, 2.0])
+    prior = torch.tensor([0.3, -0.7, 1.1, 0.2, -0.4])
+
+    def model():
+        z = pyro.sample("z", make(prior))
+        pyro.sample("y", dist.Normal(z, 1.0).to_event(1), obs=y)
+
+    def guide():
+        pyro.sample("z", make(pyro.param("q", torch.tensor([-0.2, 0.5, 0.9, -1.0, 0.1]))))
+
+    pyro.clear_param_store()
+    svi = pyro.infer.SVI(
+        model, guide, pyro.optim.Adam({"lr": 0.01}), pyro.infer.TraceMeanField_ELBO()
+    )
+    svi.step()
+    losses = [svi.evaluate_loss() for _ in range(200)]  # under torch.no_grad
+    q = make(pyro.param("q").detach())
+    values = support()
+    expected = (
+        torch.distributions.kl_divergence(q, make(prior))
+        - (q.log_prob(values).exp() * dist.Normal(values, 1.0).log_prob(y).sum(-1)).sum()
+    )
+    # One draw per loss: its likelihood term's spread over 200 draws, with a wide margin.
+    assert abs(np.mean(losses) - expected.item()) < 5 * np.std(losses) / np.sqrt(200) + 1e-9
+
+    def constant_guide():
+        pyro.sample("z", make(torch.tensor([-0.2, 0.5, 0.9, -1.0, 0.1])))
+
+    assert math.isfinite(pyro.infer.TraceMeanField_ELBO().loss(model, constant_guide))
