@@ -182,3 +182,19 @@ def autoguide_being_set_up(depth: int = 64):
             if isinstance(local.get("self"), AutoGuide):
                 return local["self"], tuple(local.get("args", ())), dict(local.get("kwargs", {}))
     return None
+
+
+# ---------------------------------------------------------------------------------------
+# The mask of a ``MaskedDistribution`` (``.mask()``).
+#
+# Relies on: numpyro 0.22's ``MaskedDistribution`` keeping its mask in the attribute ``_mask``
+# (a bool or an array broadcastable to the batch shape), for which NumPyro has no
+# getter. ``LinearConstrainedNormalReparam`` replaces a site by a new one, which must carry
+# the site's mask (else the rewritten model's density counts what the mask removed). The
+# compat test checks the attribute against ``log_prob`` of masked distributions.
+# ---------------------------------------------------------------------------------------
+
+
+def mask_of(masked):
+    """The mask of a ``MaskedDistribution``: a bool or an array of batch shape."""
+    return masked._mask

@@ -25,6 +25,7 @@ from numpyro.distributions.transforms import Transform, biject_to
 from constrained_ppl.moving_support import refuse_once_per_guide
 from numpyro_constrained._compat import DynamicSupport, autoguide_being_set_up
 from numpyro_constrained.linear_constraint import LinearConstraint, _combine_rows, _rows_times
+from numpyro_constrained.validation import is_concrete
 
 
 def _as_constraint(A, k: jax.Array) -> LinearConstraint:
@@ -190,7 +191,14 @@ def moving_subspaces(model, args=(), kwargs=None) -> dict[str, list[str]]:
                 *args, **kwargs
             )
 
-    first = run({})
+    # Evaluated where it can be: inside jit or a scan body every result would be a tracer
+    # (jit stages out even the operations on constants). With this, the sampled values and
+    # every derivative that does not involve the traced data are concrete.
+    with jax.ensure_compile_time_eval():
+        return _moving_in_trace(run, run({}))
+
+
+def _moving_in_trace(run, first) -> dict[str, list[str]]:
     names = [
         name
         for name, site in first.items()
@@ -215,19 +223,21 @@ def moving_subspaces(model, args=(), kwargs=None) -> dict[str, list[str]]:
             for subspace in [_subspace_of(trace[name]["fn"])]
         }
 
-    _, tangents = jax.linearize(subspaces, inputs)
     rng = np.random.default_rng(0)
     directions = {
         name: jnp.asarray(rng.standard_normal(jnp.shape(value)), jnp.result_type(value))
         for name, value in inputs.items()
     }
     zeros = {name: jnp.zeros_like(value) for name, value in inputs.items()}
+    _, tangents = jax.linearize(subspaces, inputs)
 
     def moved_by(direction) -> list[str]:
+        # A derivative that stays a tracer (it involves data traced by the caller's jit) is
+        # not known to be non-zero, and such a site is not refused.
         return [
             name
             for name, moves in tangents(direction).items()
-            if any(bool(jnp.any(move != 0)) for move in moves)
+            if any(is_concrete(move) and bool(jnp.any(move != 0)) for move in moves)
         ]
 
     moving = {}

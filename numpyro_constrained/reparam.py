@@ -25,6 +25,7 @@ import numpyro.distributions as dist
 from jax.scipy.linalg import solve_triangular
 from numpyro.infer.reparam import Reparam
 
+from numpyro_constrained._compat import mask_of
 from numpyro_constrained._products import matmul
 from numpyro_constrained.linear_constrained_normal import (
     LinearConstrainedNormal,
@@ -88,7 +89,10 @@ class LinearConstrainedNormalReparam(Reparam):
         batch_shape = fn.batch_shape
         event_shape = fn.event_shape
         base, _, event_dim = self._unwrap(fn)
+        masks = []  # the new site carries them: a .mask() or an obs_mask
         while isinstance(base, (dist.MaskedDistribution, dist.ExpandedDistribution)):
+            if isinstance(base, dist.MaskedDistribution):
+                masks.append(mask_of(base))
             base = base.base_dist
         if not isinstance(base, LinearConstrainedNormal):
             raise TypeError(
@@ -100,6 +104,8 @@ class LinearConstrainedNormalReparam(Reparam):
         dim = basis.shape[-1]
         noise_shape = tuple(batch_shape) + tuple(event_shape[:-1]) + (dim,)
         noise_fn = dist.Normal(jnp.zeros(noise_shape, mean.dtype), 1.0).to_event(event_dim)
+        for mask in masks:  # of the site's batch shape
+            noise_fn = noise_fn.mask(mask)
         u = numpyro.sample(f"{name}_decentered", noise_fn)
         w = solve_triangular(
             jnp.broadcast_to(r, u.shape[:-1] + r.shape[-2:]), u[..., None], lower=False

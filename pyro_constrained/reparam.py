@@ -25,6 +25,7 @@ import pyro.distributions as dist
 import torch
 from pyro.infer.reparam.reparam import Reparam
 
+from pyro_constrained._compat import mask_of
 from pyro_constrained.linear_constrained_normal import (
     AffineSubspaceTransform,
     LinearConstrainedNormal,
@@ -86,7 +87,10 @@ class LinearConstrainedNormalReparam(Reparam):
         name, fn, value = msg["name"], msg["fn"], msg["value"]
         batch_shape = fn.batch_shape
         base, event_dim = self._unwrap(fn)
+        masks = []  # the new site carries them: a .mask() or an obs_mask
         while isinstance(base, (dist.MaskedDistribution, dist.ExpandedDistribution)):
+            if isinstance(base, dist.MaskedDistribution):
+                masks.append(mask_of(base))
             base = base.base_dist
         if not isinstance(base, LinearConstrainedNormal):
             raise TypeError(
@@ -106,6 +110,8 @@ class LinearConstrainedNormalReparam(Reparam):
 
         zeros = mean.new_zeros(()).expand(noise_shape)
         noise_fn = dist.Normal(zeros, torch.ones_like(zeros)).to_event(event_dim)
+        for mask in masks:  # of the site's batch shape
+            noise_fn = noise_fn.mask(mask)
         u = pyro.sample(
             f"{name}_decentered",
             noise_fn,

@@ -292,3 +292,20 @@ def test_the_scoped_x64_switch_exists_and_is_scoped():
             )
             assert jnp.asarray(1.0).dtype == (jnp.float64 if wanted else jnp.float32)
         assert jax.config.jax_enable_x64 is outside
+
+
+@pytest.mark.parametrize("mask", [False, "array"])
+def test_mask_of_reads_the_mask_that_log_prob_applies(mask):
+    """``_compat.mask_of``: the mask a ``MaskedDistribution`` applies in ``log_prob`` (the
+    attribute it reads is NumPyro's private one; this fails if NumPyro moves it). A mask of
+    True returns the distribution itself, unwrapped."""
+    from numpyro_constrained._compat import mask_of
+
+    mask = jnp.array([True, False, True]) if isinstance(mask, str) else mask
+    base = dist.Normal(jnp.zeros(3), 1.0)
+    assert base.mask(True) is base
+    masked = base.mask(mask)
+    value = jnp.array([0.5, -1.0, 2.0])
+    expected = jnp.where(mask, base.log_prob(value), 0.0)
+    assert jnp.array_equal(masked.log_prob(value), expected)
+    assert jnp.array_equal(jnp.broadcast_to(mask_of(masked), (3,)), jnp.broadcast_to(mask, (3,)))

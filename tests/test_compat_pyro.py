@@ -95,3 +95,21 @@ def test_constructor_checks_follow_torch_default_validate_args(
             assert d.log_prob(torch.tensor([1.0, 1.0, 1.0, 0.0])).item() == -math.inf
     finally:
         Distribution.set_default_validate_args(True)
+
+
+@pytest.mark.parametrize("mask", [False, True, "tensor"])
+def test_mask_of_reads_the_mask_that_log_prob_applies(mask):
+    """``_compat.mask_of``: the mask a ``MaskedDistribution`` applies in ``log_prob`` (the
+    attribute it reads is Pyro's private one; this fails if Pyro moves it)."""
+    import pyro.distributions as dist
+
+    from pyro_constrained._compat import mask_of
+
+    mask = torch.tensor([True, False, True]) if isinstance(mask, str) else mask
+    base = dist.Normal(torch.zeros(3), 1.0)
+    masked = base.mask(mask)
+    value = torch.tensor([0.5, -1.0, 2.0])
+    expected = torch.where(torch.as_tensor(mask), base.log_prob(value), 0.0)
+    assert torch.equal(masked.log_prob(value), expected)
+    got = torch.as_tensor(mask_of(masked)).expand(3)
+    assert torch.equal(got, torch.as_tensor(mask).expand(3))

@@ -211,3 +211,60 @@ def test_moving_subspaces_names_what_moves_each_site():
         numpyro.sample("fixed", LinearConstrainedNormal(jnp.full(3, a), jnp.ones(3), k=1.0))
 
     assert moving_subspaces(model) == {"by_a": ["a"], "by_b": ["b"]}
+
+
+def test_autoguide_setup_inside_jit_and_scan():
+    """The moving-subspace check of an AutoGuide's setup ran the model where every value
+    was a tracer (inside jax.jit(svi.init), and in a scan body) and raised
+    TracerBoolConversionError for a subspace that does not move; it is evaluated where it
+    can be, so a fixed subspace runs and a moving one is still refused under jit."""
+    from numpyro.contrib.control_flow import scan
+    from numpyro.infer.autoguide import AutoNormal
+
+    def fixed(y):
+        z = numpyro.sample("z", LinearConstrainedNormal(jnp.zeros(3), jnp.ones(3), k=1.0))
+        numpyro.sample("y", dist.Normal(z, 1.0).to_event(1), obs=y)
+
+    def moving(y):
+        total = numpyro.sample("total", dist.Normal(3.0, 0.1))
+        z = numpyro.sample("z", LinearConstrainedNormal(jnp.zeros(3), jnp.ones(3), k=total))
+        numpyro.sample("y", dist.Normal(z, 1.0).to_event(1), obs=y)
+
+    def scanned(y):
+        def body(carry, k):
+            numpyro.sample("z", LinearConstrainedNormal(jnp.zeros(3), jnp.ones(3), k=k))
+            return carry, None
+
+        scan(body, None, jnp.array([1.0, 2.0]))
+
+    y = jnp.array([0.5, 0.2, 0.1])
+    state = jax.jit(_svi(fixed, AutoNormal(fixed)).init)(jax.random.PRNGKey(0), y)
+    assert state is not None
+    _svi(scanned, AutoNormal(scanned)).init(jax.random.PRNGKey(0), y)
+    with pytest.raises(ValueError, match=r"'z' \(with 'total'\).*LinearConstrainedNormalReparam"):
+        jax.jit(_svi(moving, AutoNormal(moving)).init)(jax.random.PRNGKey(0), y)
+
+
+def test_a_masked_site_keeps_its_mask():
+    """A .mask() on the site was dropped by the reparameterised site (mask False: the
+    rewritten model's log density was the full prior of z_decentered, not 0). A batch of
+    two, one masked: the rewritten density is the kept element's N(0, I) prior, as the
+    original's is its own; handlers.mask (which wraps the site the same way) too."""
+    from numpyro.infer.util import log_density
+
+    mask = jnp.array([True, False])
+    base = LinearConstrainedNormal(jnp.zeros((2, 3)), jnp.ones(3), k=1.0)
+
+    def masked_method():
+        numpyro.sample("z", base.mask(mask))
+
+    def masked_by_handler():
+        with numpyro.handlers.mask(mask=mask):
+            numpyro.sample("z", base)
+
+    u = jnp.array([[0.3, -1.2], [2.0, 0.5]])
+    expected = float(dist.Normal(0.0, 1.0).log_prob(u[0]).sum())
+    config = {"z": LinearConstrainedNormalReparam()}
+    for model in (masked_method, masked_by_handler):
+        value, _ = log_density(reparam(model, config=config), (), {}, {"z_decentered": u})
+        assert float(value) == pytest.approx(expected, rel=1e-12)

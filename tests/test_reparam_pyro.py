@@ -264,3 +264,21 @@ def test_autodelta_with_reparam_finds_the_exact_posterior_mean_when_k_moves():
     mean, _ = exact_posterior(MU0, K_CASE[0], S, A, K_CASE[1], K_CASE[2], SIGMA, Y)
     np.testing.assert_allclose(torch.cat([t, z]).numpy(), mean, atol=1e-6)
     assert abs(float(z.sum() - K_CASE[2][0] * t)) < 1e-9  # on t's subspace
+
+
+def test_a_masked_site_keeps_its_mask():
+    """A .mask() on the site was dropped by the reparameterised site (mask False: the
+    rewritten model's log density was the full prior of z_decentered, not 0). A batch of
+    two, one masked: the rewritten density is the kept element's N(0, I) prior."""
+    mask = torch.tensor([True, False])
+    base = LinearConstrainedNormal(torch.zeros(2, 3), torch.ones(3), k=1.0)
+
+    def model():
+        pyro.sample("z", base.mask(mask))
+
+    u = torch.tensor([[0.3, -1.2], [2.0, 0.5]])
+    rewritten = pyro.poutine.reparam(model, config={"z": LinearConstrainedNormalReparam()})
+    conditioned = pyro.poutine.condition(rewritten, data={"z_decentered": u})
+    trace = pyro.poutine.trace(conditioned).get_trace()
+    expected = dist.Normal(0.0, 1.0).log_prob(u[0]).sum()
+    torch.testing.assert_close(trace.log_prob_sum(), expected)
