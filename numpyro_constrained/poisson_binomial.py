@@ -260,6 +260,8 @@ class PoissonBinomial(Distribution):
         if self._from_probs:
             total = jnp.where(possible, value, forced_on).astype(jnp.int32)
             log_p = log_p + edges.count_log_terms(self.probs, self.logits, total)
+        # In the dtype the logits and the value promote to, as NumPyro's Binomial.
+        log_p = log_p.astype(jnp.result_type(log_p, value))
         return jnp.where(possible, log_p, -jnp.inf)
 
     def log_pmf(self) -> jax.Array:

@@ -309,6 +309,8 @@ class PoissonBinomial(TorchDistribution):
         pass of the kernels per entry of the broadcast value); ``-inf`` for counts the
         infinite logits rule out. Differentiable in the logits."""
         value = torch.as_tensor(value, device=self.logits.device)
+        if value.dtype == torch.bool:  # counts 0 and 1 (torch has no floor of a bool)
+            value = value.to(self.logits.dtype)
         check_value_shape(tuple(value.shape), self.batch_shape, (), "PoissonBinomial.log_prob")
         if self._validate_args:
             self._validate_sample(value)
@@ -325,6 +327,8 @@ class PoissonBinomial(TorchDistribution):
         if probs is not None:
             total = torch.where(possible, value, self._forced_on).long()
             log_p = log_p + edges.count_log_terms(probs, total)
+        # In the dtype the logits and the value promote to, as torch's Binomial.
+        log_p = log_p.to(torch.promote_types(log_p.dtype, value.dtype))
         return torch.where(possible, log_p, torch.full_like(log_p, -torch.inf))
 
     def log_pmf(self) -> torch.Tensor:

@@ -163,6 +163,31 @@ def test_float32_torch():
     )
 
 
+def test_log_prob_dtype_promotes_as_binomial_and_takes_boolean_counts():
+    """float32 logits with a float64 value give float64, as the frameworks' own Binomial
+    (PoissonBinomial stayed float32); integer and boolean values give the logits' dtype
+    (a boolean value raised in torch). The values are those of the float32 count."""
+    import numpyro.distributions as ndist
+    import pyro.distributions as pdist
+
+    logits = np.array([0.3, -1.2, 2.0], np.float32)
+    t = pc.PoissonBinomial(logits=torch.tensor(logits))
+    binomial = pdist.Binomial(3, logits=torch.tensor(0.3))
+    float64 = torch.tensor(1.0, dtype=torch.float64)
+    assert t.log_prob(float64).dtype == binomial.log_prob(float64).dtype == torch.float64
+    for value in (torch.tensor(1), torch.tensor(True)):
+        assert t.log_prob(value).dtype == torch.float32
+    expected = t.log_prob(torch.tensor(1.0))
+    for value in (float64, torch.tensor(1), torch.tensor(True)):
+        torch.testing.assert_close(t.log_prob(value).float(), expected)
+    with jax.enable_x64(True):
+        j = nc.PoissonBinomial(logits=jnp.asarray(logits))
+        value = jnp.array(1.0, jnp.float64)
+        reference = ndist.Binomial(3, logits=jnp.float32(0.3)).log_prob(value)
+        assert j.log_prob(value).dtype == reference.dtype == jnp.float64
+        assert j.log_prob(jnp.array(1, jnp.int32)).dtype == jnp.float32
+
+
 def test_float32_jax_without_x64():
     rng = np.random.default_rng(11)
     logits = (rng.normal(size=200) * 3).astype(np.float32)
