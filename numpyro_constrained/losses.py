@@ -184,11 +184,12 @@ def _(dist: ConditionedPoisson, target) -> jax.Array:
     k_bound = dist._table_bound()
     if k_bound is None:
         raise ValueError("the expected L1 loss of ConditionedPoisson needs k_max when k is traced")
-    target = jnp.asarray(target)
-    if jnp.issubdtype(target.dtype, jnp.floating):
-        dtype = jnp.result_type(dist.rate.dtype, target.dtype)
+    # The result type of the original target: a Python float is weakly typed, as in jnp.
+    if jnp.issubdtype(jnp.result_type(target), jnp.floating):
+        dtype = jnp.result_type(dist.rate, target)
     else:
         dtype = dist.rate.dtype
+    target = jnp.asarray(target)
     loss = _poisson_expected_l1(dist.rate, dist.k, target, k_max=k_bound, dtype=dtype)
     # NaN, not a finite number, where a traced k is negative or fractional.
     return dist._mask_out_of_range_k(loss, jnp.nan, event=False)
@@ -197,7 +198,10 @@ def _(dist: ConditionedPoisson, target) -> jax.Array:
 @expected_l2_loss.register
 def _(dist: ConditionedPoisson, target) -> jax.Array:
     """``sum_i k p_i (1 - p_i) + (k p_i - y_i)^2``."""
-    target = jnp.asarray(target, dtype=dist.rate.dtype)
+    # An integer target takes the rates' dtype; a floating one promotes (a Python float is
+    # weakly typed, as in jnp).
+    if not jnp.issubdtype(jnp.result_type(target), jnp.floating):
+        target = jnp.asarray(target, dtype=dist.rate.dtype)
     return jnp.sum(dist.variance + (dist.mean - target) ** 2, -1)
 
 

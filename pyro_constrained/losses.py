@@ -176,7 +176,11 @@ def _(dist: ConditionedPoisson, target: torch.Tensor) -> torch.Tensor:
 @expected_l2_loss.register
 def _(dist: ConditionedPoisson, target: torch.Tensor) -> torch.Tensor:
     """``sum_i k p_i (1 - p_i) + (k p_i - y_i)^2``."""
-    target = torch.as_tensor(target, dtype=dist.rate.dtype, device=dist.rate.device)
+    # As the L1 loss: an integer target takes the rates' dtype, a floating one promotes.
+    if not isinstance(target, torch.Tensor):
+        target = torch.as_tensor(target, device=dist.rate.device)
+    if not target.is_floating_point():
+        target = target.to(dist.rate.dtype)
     return (dist.variance + (dist.mean - target) ** 2).sum(-1)
 
 
