@@ -304,6 +304,8 @@ class CountConstrainedBernoulli(TorchDistribution):
         """``log P(z | K = |z|) + log P(K = |z| | range)``: the exact ``ExactlyKBernoulli``
         log-probability of z at its own count plus the log weight of that count; ``-inf``
         outside the support (``ValueError`` with validation on)."""
+        if not isinstance(value, torch.Tensor):  # array-likes, as the other classes take
+            value = torch.as_tensor(value, device=self.logits.device)
         check_value_shape(
             tuple(value.shape), self.batch_shape, self.event_shape, "CountConstrainedBernoulli"
         )

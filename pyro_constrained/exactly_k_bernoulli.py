@@ -461,6 +461,8 @@ class ExactlyKBernoulli(TorchDistribution):
 
         The value is computed from the tilted logits (``kernels.log_prob_value``), exact to
         the dtype's precision for logits of any size; the gradient is that of the formula."""
+        if not isinstance(value, torch.Tensor):  # array-likes, as the other classes take
+            value = torch.as_tensor(value, device=self.logits.device)
         with static_under_trace():  # sizes only, which a trace fixes
             check_value_shape(
                 tuple(value.shape), self.batch_shape, self.event_shape, "ExactlyKBernoulli.log_prob"

@@ -55,3 +55,15 @@ def test_linear_constrained_normal_takes_integer_inputs_of_any_width(dtype):
     floats = pc.LinearConstrainedNormal(loc.float(), torch.ones(4), A=A.float(), k=k.float())
     torch.testing.assert_close(got.mean, floats.mean)
     torch.testing.assert_close(got.entropy(), floats.entropy())
+
+
+@pytest.mark.parametrize("kind", [list, tuple, np.array])
+def test_torch_log_prob_takes_array_likes_as_the_other_classes(kind):
+    """ExactlyKBernoulli and CountConstrainedBernoulli read value.shape first and raised
+    AttributeError for a list; ConditionedPoisson, PoissonBinomial and LinearConstrainedNormal
+    convert with torch.as_tensor. Uniform laws: log(1/3) and log(1/6)."""
+    value = kind([1.0, 0.0, 0.0])
+    ekb = pc.ExactlyKBernoulli(torch.zeros(3), k=1)
+    ccb = pc.CountConstrainedBernoulli(torch.zeros(3), low=1, high=2)
+    assert float(ekb.log_prob(value)) == pytest.approx(np.log(1 / 3), rel=1e-6)
+    assert float(ccb.log_prob(value)) == pytest.approx(np.log(1 / 6), rel=1e-6)
