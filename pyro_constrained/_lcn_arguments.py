@@ -115,7 +115,10 @@ def _covariance(scale, covariance_matrix, scale_tril, n, dtype, device, validate
         _check_finite("covariance_matrix", matrix)
         if not bool(constraints.positive_definite.check(matrix).all()):
             raise ValueError("covariance_matrix must be symmetric positive definite")
-    scale_tril = torch.linalg.cholesky_ex(matrix).L
+    # cholesky_ex, which traces and vmaps without a check on values; where the matrix is not
+    # positive definite (validation off) the factor is NaN, as NumPyro's, not a partial one.
+    scale_tril, info = torch.linalg.cholesky_ex(matrix)
+    scale_tril = torch.where((info == 0)[..., None, None], scale_tril, torch.nan)
     return None, scale_tril, scale_tril.shape[:-2]
 
 

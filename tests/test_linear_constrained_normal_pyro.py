@@ -756,3 +756,25 @@ def test_torch_func_with_validation_on(prebuilt):
     want = torch.autograd.functional.hessian(lambda l: log_prob(l, scale.detach()), args[0])
     got = torch.func.hessian(lambda l: log_prob(l, args[1]))(args[0])
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+
+
+def test_a_covariance_that_is_not_positive_definite_without_validation_gives_nan():
+    """Validation off: the factorisation's failure was ignored and a partial factor used
+    (finite, wrong variances of 0.75); NaN now, as NumPyro gives (validation on raises)."""
+    import jax.numpy as jnp
+
+    import numpyro_constrained
+
+    covariance = np.diag([1.0, -1.0, 1.0, 1.0])
+    d = LinearConstrainedNormal(
+        torch.zeros(4, dtype=torch.float64),
+        covariance_matrix=torch.tensor(covariance),
+        validate_args=False,
+    )
+    j = numpyro_constrained.LinearConstrainedNormal(
+        jnp.zeros(4), covariance_matrix=jnp.asarray(covariance), validate_args=False
+    )
+    for value in (d.variance, d.entropy(), j.variance, j.entropy()):
+        assert np.all(np.isnan(np.asarray(value))), value
+    with pytest.raises(ValueError, match="positive definite"):
+        LinearConstrainedNormal(torch.zeros(4), covariance_matrix=torch.tensor(covariance).float())
