@@ -347,21 +347,31 @@ GUIDES = {
 }
 
 
-@pytest.mark.parametrize("strategy", ["parallel", "sequential"])
-@pytest.mark.parametrize("name", list(GUIDES))
-def test_guide_side_enumeration_gives_the_exact_elbo_and_gradient(name, strategy):
-    make, support = GUIDES[name]
-    prior_params = torch.tensor([0.3, -0.7, 1.1, 0.2, -0.4])
-    y = torch.tensor([1.0, -0.5, 0.3, 0.8, 2.0])
+GUIDE_PRIOR = torch.tensor([0.3, -0.7, 1.1, 0.2, -0.4])
+GUIDE_Y = torch.tensor([1.0, -0.5, 0.3, 0.8, 2.0])
+
+
+def _guide_problem(make):
+    """A model with a prior of the class and a Normal likelihood, and a guide of the same
+    class with its parameters ``q`` in the param store."""
 
     def model():
-        z = pyro.sample("z", make(prior_params))
-        pyro.sample("y", dist.Normal(z, 1.0).to_event(1), obs=y)
+        z = pyro.sample("z", make(GUIDE_PRIOR))
+        pyro.sample("y", dist.Normal(z, 1.0).to_event(1), obs=GUIDE_Y)
 
     def guide():
         pyro.sample("z", make(pyro.param("q", torch.tensor([-0.2, 0.5, 0.9, -1.0, 0.1]))))
 
     pyro.clear_param_store()
+    return model, guide
+
+
+@pytest.mark.parametrize("strategy", ["parallel", "sequential"])
+@pytest.mark.parametrize("name", list(GUIDES))
+def test_guide_side_enumeration_gives_the_exact_elbo_and_gradient(name, strategy):
+    make, support = GUIDES[name]
+    prior_params, y = GUIDE_PRIOR, GUIDE_Y
+    model, guide = _guide_problem(make)
     elbo = TraceEnum_ELBO(max_plate_nesting=0)
     loss = elbo.differentiable_loss(model, config_enumerate(guide, strategy))
     q = pyro.param("q").unconstrained()
@@ -410,17 +420,8 @@ def test_trace_mean_field_elbo_evaluates_a_straight_through_guide(name):
     by whether the value had a gradient. The loss is the analytic-KL ELBO: checked against
     the KL and the expected log likelihood by enumeration."""
     make, support = GUIDES[name]
-    y = torch.tensor([1.0, -0.5, 0.3, 0.8, 2.0])
-    prior = torch.tensor([0.3, -0.7, 1.1, 0.2, -0.4])
-
-    def model():
-        z = pyro.sample("z", make(prior))
-        pyro.sample("y", dist.Normal(z, 1.0).to_event(1), obs=y)
-
-    def guide():
-        pyro.sample("z", make(pyro.param("q", torch.tensor([-0.2, 0.5, 0.9, -1.0, 0.1]))))
-
-    pyro.clear_param_store()
+    prior, y = GUIDE_PRIOR, GUIDE_Y
+    model, guide = _guide_problem(make)
     svi = pyro.infer.SVI(
         model, guide, pyro.optim.Adam({"lr": 0.01}), pyro.infer.TraceMeanField_ELBO()
     )
