@@ -184,13 +184,8 @@ def _(dist: ConditionedPoisson, target) -> jax.Array:
     k_bound = dist._table_bound()
     if k_bound is None:
         raise ValueError("the expected L1 loss of ConditionedPoisson needs k_max when k is traced")
-    # The result type of the original target: a Python float is weakly typed, as in jnp.
-    if jnp.issubdtype(jnp.result_type(target), jnp.floating):
-        dtype = jnp.result_type(dist.rate, target)
-    else:
-        dtype = dist.rate.dtype
-    target = jnp.asarray(target)
-    loss = _poisson_expected_l1(dist.rate, dist.k, target, k_max=k_bound, dtype=dtype)
+    target, dtype = _poisson_target(dist, target)
+    loss = _poisson_expected_l1(dist.rate, dist.k, jnp.asarray(target), k_max=k_bound, dtype=dtype)
     # NaN, not a finite number, where a traced k is negative or fractional.
     return dist._mask_out_of_range_k(loss, jnp.nan, event=False)
 
@@ -198,11 +193,19 @@ def _(dist: ConditionedPoisson, target) -> jax.Array:
 @expected_l2_loss.register
 def _(dist: ConditionedPoisson, target) -> jax.Array:
     """``sum_i k p_i (1 - p_i) + (k p_i - y_i)^2``."""
-    # An integer target takes the rates' dtype; a floating one promotes (a Python float is
-    # weakly typed, as in jnp).
-    if not jnp.issubdtype(jnp.result_type(target), jnp.floating):
-        target = jnp.asarray(target, dtype=dist.rate.dtype)
-    return jnp.sum(dist.variance + (dist.mean - target) ** 2, -1)
+    target, dtype = _poisson_target(dist, target)
+    return jnp.sum(dist.variance + (dist.mean - jnp.asarray(target, dtype)) ** 2, -1)
+
+
+def _poisson_target(dist: ConditionedPoisson, target):
+    """(the target, a list or tuple made an array; the losses' dtype): the promotion of the
+    rates' and a floating target's dtypes (a Python float weakly typed, as in jnp), the
+    rates' for an integer target."""
+    if isinstance(target, (list, tuple)):
+        target = jnp.asarray(target)
+    if jnp.issubdtype(jnp.result_type(target), jnp.floating):
+        return target, jnp.result_type(dist.rate, target)
+    return target, dist.rate.dtype
 
 
 # CountConstrainedBernoulli (docs/distributions/count_constrained_bernoulli.md, expected

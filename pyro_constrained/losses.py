@@ -159,10 +159,7 @@ def _(dist: ConditionedPoisson, target: torch.Tensor) -> torch.Tensor:
     (integer or not, inside ``[0, k]`` or not), accumulated in float64 and returned in the
     promotion of the rates' and a floating target's dtypes. Its gradient in ``y`` is
     ``2 F(f) - 1``, one-sided at integer ``y``, where the loss has a kink."""
-    if not isinstance(target, torch.Tensor):  # as_tensor of a tensor warns under jit.trace
-        target = torch.as_tensor(target, device=dist.rate.device)
-    if not target.is_floating_point():
-        target = target.to(dist.rate.dtype)
+    target = _poisson_target(dist, target)
     dtype = torch.promote_types(dist.rate.dtype, target.dtype)
     y = target.double()
     target_floor = torch.floor(y).detach()
@@ -176,12 +173,15 @@ def _(dist: ConditionedPoisson, target: torch.Tensor) -> torch.Tensor:
 @expected_l2_loss.register
 def _(dist: ConditionedPoisson, target: torch.Tensor) -> torch.Tensor:
     """``sum_i k p_i (1 - p_i) + (k p_i - y_i)^2``."""
-    # As the L1 loss: an integer target takes the rates' dtype, a floating one promotes.
-    if not isinstance(target, torch.Tensor):
+    return (dist.variance + (dist.mean - _poisson_target(dist, target)) ** 2).sum(-1)
+
+
+def _poisson_target(dist: ConditionedPoisson, target) -> torch.Tensor:
+    """The target as a tensor: of the rates' dtype if it is an integer one (a floating one
+    keeps its dtype, which the losses promote with the rates')."""
+    if not isinstance(target, torch.Tensor):  # as_tensor of a tensor warns under jit.trace
         target = torch.as_tensor(target, device=dist.rate.device)
-    if not target.is_floating_point():
-        target = target.to(dist.rate.dtype)
-    return (dist.variance + (dist.mean - target) ** 2).sum(-1)
+    return target if target.is_floating_point() else target.to(dist.rate.dtype)
 
 
 # CountConstrainedBernoulli (docs/distributions/count_constrained_bernoulli.md, expected

@@ -42,6 +42,10 @@ def test_conditioned_poisson_expected_l2_promotes_the_target_as_l1_does():
             assert loss(j, jnp.array([0, 2, 2])).dtype == jnp.float32
             assert loss(j, 0.5).dtype == jnp.float32  # a Python float is weakly typed
         assert float(jax_l2(j, jnp.asarray(TARGET))) == pytest.approx(expected, rel=1e-12)
+        for loss in (jax_l1, jax_l2):  # a list, as an array of its values
+            assert float(loss(j, TARGET.tolist())) == float(loss(j, jnp.asarray(TARGET)))
+    for loss in (torch_l1, torch_l2):
+        assert float(loss(d, TARGET.tolist())) == float(loss(d, torch.tensor(TARGET.tolist())))
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.uint8, torch.int32, torch.bool])
