@@ -189,14 +189,11 @@ def _check_finite(name: str, tensor: torch.Tensor) -> None:
         raise ValueError(f"{name} must be finite, but it contains NaN or +-inf")
 
 
-def _is_integral(dtype: torch.dtype) -> bool:
-    return dtype == torch.bool or not (dtype.is_floating_point or dtype.is_complex)
-
-
 def _as_float_tensor(value, name: str, dtype: torch.dtype, device) -> torch.Tensor:
     tensor = torch.as_tensor(value, device=device)
-    # Real: floating, integer (of any width, as NumPyro's jnp.integer) or bool; not complex.
-    if tensor.is_complex() or not (tensor.is_floating_point() or _is_integral(tensor.dtype)):
+    # Real: floating, integer of any width (as NumPyro's jnp.integer) or bool, which is
+    # every dtype of data but the complex ones.
+    if tensor.is_complex():
         raise ValueError(f"{name} must be a real array, got dtype {tensor.dtype}")
     return tensor.to(dtype)
 
