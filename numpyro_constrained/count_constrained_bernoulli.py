@@ -367,10 +367,11 @@ class CountConstrainedBernoulli(Distribution):
         n = self.event_shape[0]
         if not is_concrete(self.logits, self.low, self.high):
             raise ValueError(f"{name}.enumerate_support needs concrete logits and bounds")
-        first, last = (np.unique(np.asarray(b)) for b in self._range())
+        first, last = (np.asarray(b) for b in self._range())
         # Funsor's enumeration cannot represent a vector site. The Gibbs samplers' flips of
         # one coordinate can move between the counts of a range, but never within one count.
-        refuse_scalar_coordinate_consumers(name, gibbs=bool(np.any(first[:, None] == last)))
+        refuse_scalar_coordinate_consumers(name, gibbs=bool(np.any(first == last)))
+        first, last = np.unique(first), np.unique(last)
         logits = np.asarray(self.logits).reshape(-1, n)
         on, off = logits == np.inf, logits == -np.inf
         same = (on == on[:1]).all() and (off == off[:1]).all()
